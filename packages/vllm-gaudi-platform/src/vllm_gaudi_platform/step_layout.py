@@ -1,0 +1,158 @@
+"""How one scheduler step is laid out in static, bucketed shapes.
+
+A step is split into a prefill part (requests with more than one new token) and a decode part (one
+new token each). Each part is padded to a bucket of the plan:
+
+- prefill: bucket (batch, query_len, ctx_blocks). One request per grid row when a bucket fits the
+  batch; otherwise all prefill requests are packed into ONE row (bucket (1, sum of query lengths,
+  sum of context blocks)), which always fits the plan's batch-size-1 buckets because the scheduler
+  never schedules more tokens than the prefill query buckets cover. The attention mask keeps packed
+  requests apart, so both layouts compute the same result.
+- decode: bucket (batch, 1, total context blocks of the batch), as Gaudi's paged decode reads a
+  flat list of blocks.
+
+A shape that no bucket covers runs at its exact size and is reported as not warmed (a recompile
+on Gaudi). This module is pure Python (no torch) so the bucket arithmetic is cheap to test.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+
+
+@dataclass(frozen=True)
+class PrefillPart:
+    rows: int
+    query_bucket: int
+    ctx_bucket: int
+    row_members: tuple[tuple[int, ...], ...]  # request indices (batch order) per grid row
+    bucket: Bucket
+    warmed: bool
+
+
+@dataclass(frozen=True)
+class DecodePart:
+    batch_bucket: int
+    blocks_bucket: int
+    members: tuple[int, ...]  # request indices (batch order)
+    bucket: Bucket
+    warmed: bool
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    query_lens: tuple[int, ...]
+    prefill: PrefillPart | None
+    decode: DecodePart | None
+
+    @property
+    def num_tokens_padded(self) -> int:
+        n = 0
+        if self.prefill is not None:
+            n += self.prefill.rows * self.prefill.query_bucket
+        if self.decode is not None:
+            n += self.decode.batch_bucket
+        return n
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        return tuple(p.bucket for p in (self.prefill, self.decode) if p is not None)
+
+    @property
+    def warmed(self) -> bool:
+        return all(p.warmed for p in (self.prefill, self.decode) if p is not None)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan_prefill(
+    members: list[int],
+    query_lens: list[int],
+    ctx_lens: list[int],
+    block_size: int,
+    plan: BucketPlan | None,
+) -> PrefillPart:
+    n = len(members)
+    max_q = max(query_lens[i] for i in members)
+    max_ctx = max(_blocks(ctx_lens[i], block_size) for i in members)
+    if plan is not None:
+        b = plan.find_prompt(n, max_q, max_ctx)
+        if b is not None:
+            rows = tuple((i,) for i in members)
+            return PrefillPart(b.batch_size, b.query_len, b.ctx_blocks, rows, b, True)
+    total_q = sum(query_lens[i] for i in members)
+    total_ctx = sum(_blocks(ctx_lens[i], block_size) for i in members)
+    packed = (tuple(members),)
+    if plan is not None:
+        b = plan.find_prompt(1, total_q, total_ctx)
+        if b is not None:
+            return PrefillPart(1, b.query_len, b.ctx_blocks, packed, b, True)
+    exact = Bucket("prompt", 1, total_q, total_ctx)
+    return PrefillPart(1, total_q, total_ctx, packed, exact, False)
+
+
+def plan_decode(
+    members: list[int], seq_lens: list[int], block_size: int, plan: BucketPlan | None
+) -> DecodePart:
+    n = len(members)
+    total_blocks = sum(_blocks(seq_lens[i], block_size) for i in members)
+    if plan is not None:
+        b = plan.find_decode(n, total_blocks)
+        if b is not None:
+            return DecodePart(b.batch_size, b.ctx_blocks, tuple(members), b, True)
+    exact = Bucket("decode", n, 1, total_blocks)
+    return DecodePart(n, total_blocks, tuple(members), exact, False)
+
+
+def plan_step(
+    *,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    plan: BucketPlan | None,
+) -> StepLayout:
+    """Lay out a step. `seq_lens` count context plus this step's tokens, per request."""
+    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+    prefill_members = [i for i, q in enumerate(query_lens) if q > 1]
+    decode_members = [i for i, q in enumerate(query_lens) if q == 1]
+    prefill = (
+        plan_prefill(prefill_members, list(query_lens), ctx_lens, block_size, plan)
+        if prefill_members
+        else None
+    )
+    decode = plan_decode(decode_members, seq_lens, block_size, plan) if decode_members else None
+    return StepLayout(tuple(query_lens), prefill, decode)
+
+
+def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list[int]]:
+    """A synthetic step that fills `bucket` exactly (for warmup), and its sequence lengths."""
+    if bucket.phase == "prompt":
+        n, q, c = bucket.batch_size, bucket.query_len, bucket.ctx_blocks
+        query_lens = [q] * n
+        seq_lens = [q + c * block_size] * n
+        rows = tuple((i,) for i in range(n))
+        part = PrefillPart(n, q, c, rows, bucket, True)
+        return StepLayout(tuple(query_lens), part, None), seq_lens
+    n, blocks = bucket.batch_size, bucket.ctx_blocks
+    per_seq = max(blocks // n, 1)
+    query_lens = [1] * n
+    seq_lens = [per_seq * block_size] * n
+    part = DecodePart(n, blocks, tuple(range(n)), bucket, True)
+    return StepLayout(tuple(query_lens), None, part), seq_lens
+
+
+_local = threading.local()
+
+
+def set_current(layout: StepLayout | None) -> None:
+    """The runner publishes the layout of the step it is about to run for the metadata builder."""
+    _local.layout = layout
+
+
+def current() -> StepLayout | None:
+    return getattr(_local, "layout", None)

@@ -1,0 +1,130 @@
+"""Tiny models built locally, for the demo and the tests: no model hub needed.
+
+Each model is a real Hugging Face architecture with seeded random weights and a byte-level BPE
+tokenizer trained on a short built-in text, saved once under a cache folder and reused. The same
+seed and config always give the same weights, so results are reproducible across machines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+CORPUS = """
+Intel Gaudi accelerators run large language models with static shapes and graph compilation.
+The model runner pads every batch to a bucket so that no new graph is compiled while serving.
+A paged key value cache stores attention keys and values in fixed size blocks.
+Prefill computes the prompt in one pass; decode produces one token at a time for every sequence.
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with one step.
+Operators deploy vLLM on clusters of servers and measure throughput, latency and memory use.
+Hello world! How are you today? The weather is sunny and the river flows to the sea.
+Numbers like 1, 2, 3, 42, 100 and 2026 appear in text; so do names like Alice, Bob and Carol.
+"""
+
+VOCAB_SIZE = 512
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+_BASE = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.25,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# name -> (transformers config class, overrides)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-rope-scaling": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+    ),
+    "gemma": (
+        "GemmaConfig",
+        {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+}
+
+
+def cache_root() -> Path:
+    root = os.environ.get("VLLM_GAUDI_MODEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
+
+
+def _build_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Path:
+    """Path of the tiny model `name`, building and caching it on first use."""
+    if name not in MODELS:
+        raise ValueError(f"Unknown tiny model {name!r}; choose one of {sorted(MODELS)}.")
+    cls_name, overrides = MODELS[name]
+    config_kwargs = {**_BASE, **overrides}
+    key = hashlib.sha256(
+        json.dumps([name, cls_name, config_kwargs, seed, CORPUS], sort_keys=True).encode()
+    ).hexdigest()[:12]
+    path = (root or cache_root()) / f"tiny-{name}-{key}"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+
+    import torch
+    import transformers
+
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = getattr(transformers, cls_name)(**config_kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(tmp, safe_serialization=True)
+    _build_tokenizer(tmp)
+    try:
+        tmp.rename(path)
+    except OSError:  # another process built it first
+        pass
+    return path

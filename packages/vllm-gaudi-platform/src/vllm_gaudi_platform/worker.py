@@ -1,0 +1,166 @@
+"""HPUWorker: one vLLM worker process driving one HPU (or its CPU emulation)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import torch
+from vllm.config import set_current_vllm_config
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.worker_base import CompilationTimes
+
+from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.model_runner import HPUModelRunner
+from vllm_gaudi_platform.seam import backend as seam_backend
+
+logger = init_logger(__name__)
+
+LORA_UNSUPPORTED = "LoRA adapters are not supported on HPU by vllm-gaudi yet."
+
+
+class HPUWorker(Worker):
+    model_runner: HPUModelRunner
+
+    # ------------------------------------------------------------------ start-up
+    def init_device(self) -> None:
+        self.seam = seam_backend()
+        self.device = self.seam.torch_device(self.local_rank if not self.seam.IS_EMULATED else 0)
+        current_platform.set_device(self.device)
+        current_platform.check_if_supports_dtype(self.model_config.dtype)
+        init_worker_distributed_environment(
+            self.vllm_config,
+            self.rank,
+            self.distributed_init_method,
+            self.local_rank,
+            current_platform.dist_backend,
+        )
+        set_random_seed(self.model_config.seed)
+        self.model_runner = HPUModelRunner(self.vllm_config, self.device)
+        logger.info("HPU worker rank %d on %s", self.rank, self.seam.device_name(0))
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.load_model(load_dummy_weights=load_dummy_weights)
+
+    # ------------------------------------------------------------------ memory
+    def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:
+        # vLLM's CUDA sleep-mode allocator pools do not exist on HPU; sleep() below moves
+        # weights and drops the KV cache explicitly instead.
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def determine_available_memory(self) -> int:
+        """Bytes of device memory for the KV cache.
+
+        usable = total * gpu_memory_utilization - weights - peak activations of the largest
+        forward pass (profiled) - a reserve for captured graphs (VLLM_GRAPH_RESERVED_MEM share).
+        An explicit kv_cache_memory_bytes wins, as on every vLLM platform.
+        """
+        explicit = self.cache_config.kv_cache_memory_bytes
+        if explicit is not None:
+            logger.info("KV cache: %.2f GiB as set by kv_cache_memory_bytes", explicit / 2**30)
+            return int(explicit)
+        free_before, total = self.seam.mem_get_info()
+        used_before = self.seam.memory_allocated()
+        self.model_runner.profile_run()
+        self.seam.synchronize()
+        used_peak = self.seam.memory_allocated()
+        gc.collect()
+        activations = max(used_peak - used_before, 0)
+        weights = sum(
+            p.numel() * p.element_size() for p in self.model_runner.model.parameters()
+        )
+        usable = total * self.cache_config.gpu_memory_utilization - weights - activations
+        reserve = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
+        kv_bytes = int(max(usable, 0) * (1.0 - reserve))
+        if kv_bytes <= 0:
+            raise ValueError(
+                f"No HPU memory left for the KV cache: total {total / 2**30:.2f} GiB x "
+                f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization} - weights "
+                f"{weights / 2**30:.2f} GiB - activations {activations / 2**30:.2f} GiB. "
+                "Raise gpu_memory_utilization, lower max_num_batched_tokens, or set "
+                "kv_cache_memory_bytes."
+            )
+        logger.info(
+            "KV cache: %.2f GiB (total %.2f GiB, weights %.2f GiB, activations %.2f GiB, "
+            "graph reserve %.0f%%)",
+            kv_bytes / 2**30,
+            total / 2**30,
+            weights / 2**30,
+            activations / 2**30,
+            reserve * 100,
+        )
+        return kv_bytes
+
+    # ------------------------------------------------------------------ warmup
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        self.model_runner.warmup_model()
+        set_random_seed(self.model_config.seed)
+        return CompilationTimes(
+            language_model=self.compilation_config.compilation_time,
+            encoder=self.compilation_config.encoder_compilation_time,
+        )
+
+    def execute_dummy_batch(self) -> None:
+        self.model_runner._dummy_run(1, uniform_decode=True)
+
+    # ------------------------------------------------------------------ sleep mode (level 1)
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: drop the KV cache contents and move weights to host memory."""
+        if level != 1:
+            raise ValueError(f"HPU sleep mode supports level 1 only, got level={level}.")
+        model = self.model_runner.model
+        self._sleep_weights = {
+            name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
+        }
+        if not self.seam.IS_EMULATED:
+            for p in model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        for kv in self.model_runner.kv_caches:
+            if isinstance(kv, torch.Tensor):
+                kv.zero_()
+        self.seam.synchronize()
+        logger.info("HPU worker asleep (level 1): weights offloaded, KV cache discarded")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        saved = getattr(self, "_sleep_weights", None)
+        if saved is None:
+            return
+        for name, p in self.model_runner.model.named_parameters():
+            p.data = saved[name].to(self.device)
+        self._sleep_weights = None
+        self.seam.synchronize()
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def list_loras(self) -> set[int]:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    # ------------------------------------------------------------------ introspection
+    def get_recompile_stats(self) -> dict:
+        """Warmup time and recompile count, for tests, logs and collective_rpc callers."""
+        runner = self.model_runner
+        return {
+            "recompiles": runner.recompiles.count,
+            "unwarmed_buckets": [vars(b) for b in runner.recompiles.seen],
+            "warmup_seconds": runner.warmup_seconds,
+            "bucket_plan": runner.bucket_plan.describe(),
+            "num_prompt_buckets": len(runner.bucket_plan.prompt),
+            "num_decode_buckets": len(runner.bucket_plan.decode),
+        }
+
+    def check_health(self) -> None:
+        return None
+
