@@ -32,13 +32,14 @@ CHAT_TEMPLATE = (
 
 _BASE = {
     "vocab_size": VOCAB_SIZE,
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5,
+    # Large weights make logits peaked, so greedy decoding has few near-ties to compare.
     "initializer_range": 0.25,
     "tie_word_embeddings": False,
     "torch_dtype": "float32",
@@ -63,7 +64,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma": (
         "GemmaConfig",
-        {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+        {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
     ),
     "mixtral": (
         "MixtralConfig",

@@ -1,0 +1,69 @@
+"""The `vllm-gaudi` command. One subcommand per job; each is added by an `_add_<name>` function.
+
+Importing this module is cheap (no torch, no vllm): a subcommand imports what it needs when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+DOCTOR_HELP = "what is installed, what will load under VLLM_PLUGINS, and why"
+DOCTOR_DESCRIPTION = """\
+Checks the installed vllm-gaudi-* wheels, their entry points and whether each will load under
+the current VLLM_PLUGINS, the device the HPU platform would run on (a Gaudi, CPU emulation or
+none), the vLLM and torch versions against the supported range, and the optional packages of
+the installed wheels. Reads installed metadata only: it imports neither vllm nor torch.
+
+Exit status: 0 when there is no problem, 1 when there is at least one. Finding no device
+counts as a problem even though it is not an error of the install: you run doctor to run vLLM on
+HPU, and with no Gaudi and no VLLM_HPU_EMULATION=cpu the HPU platform stays inactive and vLLM
+runs on another platform. Missing optional packages are info, not problems."""
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from vllm_gaudi_platform import doctor
+
+    report = doctor.collect()
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(doctor.render(report))
+    return 0 if report.ok else 1
+
+
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "doctor",
+        help=DOCTOR_HELP,
+        description=DOCTOR_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (keys: wheels, entry_points, vllm_plugins, device, versions, "
+        "optional, problems, info, ok)",
+    )
+    parser.set_defaults(run=_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-gaudi", description="Intel Gaudi (HPU) plugins for vLLM."
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_doctor(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `vllm-gaudi` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Helpers for end-to-end generation tests: run engines in fresh processes, run Hugging Face
+transformers as the reference, and compare greedy outputs with vLLM's top-5 logprob rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+JOB = Path(__file__).with_name("engine_job.py")
+
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 256,
+    "kv_cache_memory_bytes": 64 << 20,
+    "seed": 0,
+}
+
+
+def make_prompts(seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Prompts of varied lengths (3..300 tokens) with shared prefixes, more than one bucket."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731 - 0-2 are special
+    shared = tok(140)  # longer than one 128-token block: prefix caching can reuse it
+    return [
+        tok(3),
+        tok(17),
+        shared + tok(5),
+        shared + tok(60),
+        tok(129),
+        tok(200),
+        tok(300),
+        shared[:64] + tok(9),
+        tok(1),
+        tok(90),
+    ]
+
+
+def run_engine(
+    model: str,
+    prompts: list[list[int]],
+    *,
+    emulate: bool,
+    max_tokens: int = 12,
+    rounds: int = 1,
+    env: dict[str, str] | None = None,
+    engine: dict | None = None,
+    timeout: int = 600,
+) -> tuple[subprocess.CompletedProcess, dict | None]:
+    job = {
+        "model": model,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "engine": {**ENGINE, **(engine or {})},
+        "rounds": rounds,
+        "stats": emulate,
+    }
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    if emulate:
+        run_env["VLLM_HPU_EMULATION"] = "cpu"
+    else:
+        run_env["VLLM_PLUGINS"] = ""  # vLLM's own CPU backend, no plugin at all
+    run_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, str(JOB), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        timeout=timeout,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return proc, json.loads(line[len("RESULT ") :])
+    return proc, None
+
+
+def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int = 12) -> list[dict]:
+    """Greedy continuation with transformers, one prompt at a time (no padding effects)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            logprobs = []
+            for score in out.scores:
+                lp = torch.log_softmax(score[0].float(), dim=-1)
+                top = torch.topk(lp, 5)
+                logprobs.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())})
+            results.append({"tokens": tokens, "logprobs": logprobs})
+    return results
+
+
+def assert_close(ours: list[dict], ref: list[dict], label: str) -> int:
+    """vLLM's check_logprobs_close rule: identical greedy tokens, or at the first divergence each
+    side's token is in the other's top-5. Returns how many sequences diverged (near-ties)."""
+    diverged = 0
+    for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
+        for pos, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
+            if ta == tb:
+                continue
+            assert str(ta) in b["logprobs"][pos] and str(tb) in a["logprobs"][pos], (
+                f"{label}: prompt {i} diverges at token {pos}: ours {ta} (top5 {a['logprobs'][pos]})"
+                f" vs reference {tb} (top5 {b['logprobs'][pos]})"
+            )
+            diverged += 1
+            break
+        else:
+            assert len(a["tokens"]) == len(b["tokens"]), f"{label}: prompt {i} length differs"
+    return diverged

