@@ -38,7 +38,10 @@ def run(job: dict) -> dict:
                 for o in outs
             ]
         )
-    result = {"rounds": rounds, "platform": type(__import__("vllm.platforms").platforms.current_platform).__name__}
+    result = {
+        "rounds": rounds,
+        "platform": type(__import__("vllm.platforms").platforms.current_platform).__name__,
+    }
     if job.get("stats"):
         result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
     return result

@@ -102,7 +102,9 @@ def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int = 12) -> lis
             for score in out.scores:
                 lp = torch.log_softmax(score[0].float(), dim=-1)
                 top = torch.topk(lp, 5)
-                logprobs.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())})
+                logprobs.append(
+                    {str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
+                )
             results.append({"tokens": tokens, "logprobs": logprobs})
     return results
 
@@ -116,8 +118,8 @@ def assert_close(ours: list[dict], ref: list[dict], label: str) -> int:
             if ta == tb:
                 continue
             assert str(ta) in b["logprobs"][pos] and str(tb) in a["logprobs"][pos], (
-                f"{label}: prompt {i} diverges at token {pos}: ours {ta} (top5 {a['logprobs'][pos]})"
-                f" vs reference {tb} (top5 {b['logprobs'][pos]})"
+                f"{label}: prompt {i} diverges at token {pos}: ours {ta} "
+                f"(top5 {a['logprobs'][pos]}) vs reference {tb} (top5 {b['logprobs'][pos]})"
             )
             diverged += 1
             break

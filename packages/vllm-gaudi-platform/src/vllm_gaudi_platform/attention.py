@@ -181,9 +181,7 @@ def build_metadata(
                 q_seq[r, col : col + q] = i
                 q_pos[r, col : col + q] = torch.arange(c, c + q)
                 k_seq[r, cb * block_size + col : cb * block_size + col + q] = i
-                k_pos[r, cb * block_size + col : cb * block_size + col + q] = torch.arange(
-                    c, c + q
-                )
+                k_pos[r, cb * block_size + col : cb * block_size + col + q] = torch.arange(c, c + q)
                 col += q
         same_seq = q_seq[:, :, None] == k_seq[:, None, :]
         mask = same_seq & (k_pos[:, None, :] <= q_pos[:, :, None])
@@ -325,7 +323,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         v = v_new.reshape(rows, qb, hk, d)
         if cb:
             blocks = md.prefill_ctx_blocks  # [rows, cb]
-            slots = (blocks[..., None] * block_size + torch.arange(block_size, device=q.device))
+            slots = blocks[..., None] * block_size + torch.arange(block_size, device=q.device)
             slots = slots.view(rows, cb * block_size)
             k = torch.cat([key_cache[slots].to(q.dtype), k], dim=1)
             v = torch.cat([value_cache[slots].to(q.dtype), v], dim=1)

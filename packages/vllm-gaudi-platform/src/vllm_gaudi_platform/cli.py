@@ -50,12 +50,34 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_doctor)
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from vllm_gaudi_platform import demo
+
+    return demo.run(max_tokens=args.max_tokens, model=args.model)
+
+
+def _add_demo(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="offline generation on the HPU platform (CPU emulation when there is no Gaudi)",
+        description=(
+            "Generates a few greedy completions through the HPU platform with a tiny Llama "
+            "built locally on first use, then prints the bucket plan, the warmup time and the "
+            "recompile count. Uses the Gaudi when present, CPU emulation otherwise."
+        ),
+    )
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per completion")
+    parser.add_argument("--model", default=None, help="a model path instead of the tiny Llama")
+    parser.set_defaults(run=_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-gaudi", description="Intel Gaudi (HPU) plugins for vLLM."
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_doctor(subparsers)
+    _add_demo(subparsers)
     return parser
 
 

@@ -79,22 +79,9 @@ def _without_cuda_handles():
         torch.Event, torch.cuda.Stream = saved
 
 
-def _route_torch_accelerator_to_seam(seam) -> None:
-    """vLLM's shared loader/runner code calls torch.accelerator; with no accelerator present
-    (emulation) those calls must go to the emulated device instead of failing."""
-
-    def empty_cache() -> None:  # distinct function: dynamo keys handlers on identity
-        return None
-
-    torch.accelerator.synchronize = lambda *args, **kwargs: seam.synchronize()
-    torch.accelerator.empty_cache = empty_cache
-
-
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
-        if self.seam.IS_EMULATED:
-            _route_torch_accelerator_to_seam(self.seam)
         sched = vllm_config.scheduler_config
         # A step holds a prefill part padded to <= max_num_batched_tokens plus a decode part
         # padded to <= max_num_seqs, so the token buffers need room for both.
@@ -203,7 +190,9 @@ class HPUModelRunner(GPUModelRunner):
         """Run every bucket of the plan once, so serving never meets a new shape."""
         logger.info("HPU bucket plan:\n%s", self.bucket_plan.describe())
         if envs.get_bool(envs.VLLM_SKIP_WARMUP):
-            logger.warning("%s=true: warmup skipped; first steps will compile", envs.VLLM_SKIP_WARMUP)
+            logger.warning(
+                "%s=true: warmup skipped; first steps will compile", envs.VLLM_SKIP_WARMUP
+            )
             self.recompiles.warmup_done = True
             return
         buckets = [*self.bucket_plan.prompt, *self.bucket_plan.decode]

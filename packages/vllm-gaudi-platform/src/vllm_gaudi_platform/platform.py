@@ -26,11 +26,34 @@ def _register_attention_backend() -> None:
 
     register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLS)
 
+
 WORKER_CLS = "vllm_gaudi_platform.worker.HPUWorker"
 COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
 DEFAULT_BLOCK_SIZE = 128
 
 _register_attention_backend()
+
+
+def _route_torch_accelerator_to_seam() -> None:
+    """vLLM's shared code calls torch.accelerator (empty_cache, synchronize) in every process;
+    in emulation there is no torch accelerator, so those calls go to the emulated device."""
+
+    def empty_cache() -> None:  # a distinct function: dynamo keys its handlers on identity
+        return None
+
+    def synchronize(*args, **kwargs) -> None:
+        _seam.synchronize()
+
+    def empty_host_cache() -> None:
+        return None
+
+    torch.accelerator.empty_cache = empty_cache
+    torch.accelerator.empty_host_cache = empty_host_cache
+    torch.accelerator.synchronize = synchronize
+
+
+if _seam.IS_EMULATED:
+    _route_torch_accelerator_to_seam()
 
 
 class HpuPlatform(Platform):
@@ -75,9 +98,7 @@ class HpuPlatform(Platform):
         return _seam.mem_get_info()
 
     @classmethod
-    def get_current_memory_usage(
-        cls, device: torch.types.Device | None = None
-    ) -> float:
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
         return float(_seam.memory_allocated())
 
     @classmethod
@@ -164,9 +185,10 @@ class HpuPlatform(Platform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
-        if parallel_config.distributed_executor_backend == "uni" and os.environ.get(
-            "VLLM_ENABLE_V1_MULTIPROCESSING", "1"
-        ) == "1":
+        if (
+            parallel_config.distributed_executor_backend == "uni"
+            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
+        ):
             parallel_config.distributed_executor_backend = "mp"
         parallel_config.disable_custom_all_reduce = True
         # Gaudi's runtime (and a torch that already holds threads) cannot be forked safely.
@@ -197,6 +219,7 @@ class HpuPlatform(Platform):
             )
 
         _set_gaudi_runtime_env()
+        _check_bucketing(vllm_config)
 
         model_config = vllm_config.model_config
         if model_config is not None and model_config.use_mla:
@@ -206,6 +229,26 @@ class HpuPlatform(Platform):
     def log_warnings(cls) -> None:
         if _seam.IS_EMULATED:
             logger.info("HPU platform active: Gaudi kernels %s (no Gaudi device used)", _seam.NAME)
+
+
+def _check_bucketing(vllm_config: VllmConfig) -> None:
+    """Build the bucket plan once here, in the process that parses the config, so a bad
+    VLLM_*_BUCKET_* setting stops startup with the variable's name before workers spawn."""
+    from vllm_gaudi_platform.bucketing import plan_from_env
+
+    sched = vllm_config.scheduler_config
+    model_config = vllm_config.model_config
+    if model_config is None:
+        return
+    plan_from_env(
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=model_config.max_model_len,
+        block_size=vllm_config.cache_config.block_size,
+    )
+    for name in (envs.VLLM_SKIP_WARMUP, envs.VLLM_FULL_WARMUP):
+        envs.get_bool(name)
+    envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
 
 
 def _set_gaudi_runtime_env() -> None:

@@ -7,6 +7,7 @@ seed and config always give the same weights, so results are reproducible across
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -64,7 +65,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma": (
         "GemmaConfig",
-        {"head_dim": 32, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"},
+        {
+            "head_dim": 32,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+        },
     ),
     "mixtral": (
         "MixtralConfig",
@@ -124,8 +129,6 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
     _build_tokenizer(tmp)
-    try:
+    with contextlib.suppress(OSError):  # another process built it first
         tmp.rename(path)
-    except OSError:  # another process built it first
-        pass
     return path

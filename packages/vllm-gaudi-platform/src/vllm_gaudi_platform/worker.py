@@ -64,16 +64,14 @@ class HPUWorker(Worker):
         if explicit is not None:
             logger.info("KV cache: %.2f GiB as set by kv_cache_memory_bytes", explicit / 2**30)
             return int(explicit)
-        free_before, total = self.seam.mem_get_info()
+        total = self.seam.mem_get_info()[1]
         used_before = self.seam.memory_allocated()
         self.model_runner.profile_run()
         self.seam.synchronize()
         used_peak = self.seam.memory_allocated()
         gc.collect()
         activations = max(used_peak - used_before, 0)
-        weights = sum(
-            p.numel() * p.element_size() for p in self.model_runner.model.parameters()
-        )
+        weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
         usable = total * self.cache_config.gpu_memory_utilization - weights - activations
         reserve = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
         kv_bytes = int(max(usable, 0) * (1.0 - reserve))
@@ -163,4 +161,3 @@ class HPUWorker(Worker):
 
     def check_health(self) -> None:
         return None
-
