@@ -26,7 +26,7 @@ def register() -> str | None:
         from vllm_gaudi_platform.detection import probe_device
 
         probe = probe_device()
-    except Exception as exc:  # noqa: BLE001 - see docstring: vLLM would hide it
+    except Exception as exc:
         _logger.warning("HPU platform inactive: %s", exc)
         return None
     if not probe.active:

@@ -18,12 +18,12 @@ def compute_slot_mapping(
     block_table: torch.Tensor,
     block_table_stride: int,
     slot_mapping: torch.Tensor,
-    KV_CACHE_BLOCK_SIZE: int,  # noqa: N803 - the kernel's own parameter names
-    TOTAL_CP_WORLD_SIZE: int = 1,  # noqa: N803
-    TOTAL_CP_RANK: int = 0,  # noqa: N803
-    CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,  # noqa: N803
-    PAD_ID: int = -1,  # noqa: N803
-    BLOCK_SIZE: int = 1024,  # noqa: N803
+    KV_CACHE_BLOCK_SIZE: int,
+    TOTAL_CP_WORLD_SIZE: int = 1,
+    TOTAL_CP_RANK: int = 0,
+    CP_KV_CACHE_INTERLEAVE_SIZE: int = 1,
+    PAD_ID: int = -1,
+    BLOCK_SIZE: int = 1024,
 ) -> None:
     """slot = block_table[request, pos // block_size] * block_size + pos % block_size."""
     if TOTAL_CP_WORLD_SIZE != 1:

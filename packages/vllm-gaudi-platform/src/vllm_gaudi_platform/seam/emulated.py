@@ -162,3 +162,120 @@ def _combine(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask & allowed
     return mask.masked_fill(~allowed, float("-inf"))
+
+
+# ----------------------------------------------------------------------------- op-family kernels
+# Used by vllm-gaudi-ops. Each mirrors one Gaudi kernel wrapped in gaudi.py (same name, arguments
+# and semantics); the docstrings state the semantics both backends implement.
+
+ROPE_BLOCKWISE = 0  # RotaryPosEmbeddingMode.BLOCKWISE: rotate the two halves (GPT-NeoX style)
+ROPE_PAIRWISE = 1  # RotaryPosEmbeddingMode.PAIRWISE: rotate adjacent pairs (GPT-J style)
+
+MOE_ACTIVATIONS = ("silu", "gelu")  # activations the mixture_of_experts kernel accepts
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Gaudi FusedRMSNorm: x * rsqrt(mean(x^2, last dim) + epsilon) * weight.
+
+    `x` must be 3-D ([batch, seq, hidden]), as the Gaudi kernel requires. The reduction and the
+    weight multiply run in float32 and the result has x's dtype, so `weight` may be float32 with
+    a bfloat16 `x` (Gemma's 1 + weight).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"rms_norm: Gaudi's kernel takes a 3-D input, got shape {tuple(x.shape)}")
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    return (out * weight.float()).to(x.dtype)
+
+
+def apply_rotary_pos_emb(
+    p: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    offset: int = 0,
+    mode: int = ROPE_BLOCKWISE,
+) -> torch.Tensor:
+    """Gaudi's rotary kernel: p * cos + rotate(p) * sin over the last dim of `p`.
+
+    `cos`/`sin` are full width (the last dim of `p`) and broadcast against `p`. BLOCKWISE rotates
+    halves: rotate(x) = [-x2, x1]; PAIRWISE rotates pairs: rotate(x)[2i] = -x[2i+1],
+    rotate(x)[2i+1] = x[2i]. Dtypes follow the kernel: float32 when any input is float32 (the
+    result is then float32), otherwise cos/sin are cast to p's dtype. The ops always pass
+    gathered cos/sin, so `position_ids` and `offset` are not emulated.
+    """
+    if position_ids is not None or offset != 0:
+        raise NotImplementedError("apply_rotary_pos_emb: position_ids/offset are not emulated")
+    if torch.float32 in (p.dtype, cos.dtype, sin.dtype):
+        p, cos, sin = p.float(), cos.float(), sin.float()
+    else:
+        cos, sin = cos.to(p.dtype), sin.to(p.dtype)
+    # Both forms compute the formula above; each is the cheaper one on the CPU for its layout:
+    # contiguous halves need no rotated copy of p, while strided pairs are cheaper to rotate
+    # once than to multiply four times (benchmarks/ops.py keeps this honest).
+    if mode == ROPE_BLOCKWISE:
+        half = p.shape[-1] // 2
+        x1, x2 = p[..., :half], p[..., half:]
+        c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+    if mode == ROPE_PAIRWISE:
+        rotated = torch.stack((-p[..., 1::2], p[..., ::2]), dim=-1).flatten(-2)
+        return p * cos + rotated * sin
+    raise ValueError(f"apply_rotary_pos_emb: unknown mode {mode!r}")
+
+
+def mixture_of_experts(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """Gaudi's mixture_of_experts kernel (torch.ops.hpu.mixture_of_experts).
+
+    hidden_states [tokens, hidden]; expert_routing_table [tokens, topk] expert ids; router_weights
+    [tokens, topk]. w12[i] / w3[i] belong to expert experts_min + i (experts_min..experts_max,
+    inclusive): w12 is the fused gate+up projection (gate rows first), w3 the down projection;
+    with permuted_weights they are [out_features, in_features] ([2 * inter, hidden] and
+    [hidden, inter]), otherwise transposed. Expert ids outside [experts_min, experts_max] belong
+    to other ranks and contribute nothing. out[t] = sum_k router_weights[t, k] *
+    w3[e] @ (act(gate) * up), gate/up = halves of w12[e] @ hidden_states[t], e = table[t, k].
+    `activation` is "silu" or "gelu" (Gaudi's gelu is the tanh approximation). Per-expert sums
+    accumulate in float32; the result has hidden_states' dtype.
+    """
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"mixture_of_experts: activation {activation!r} not in {MOE_ACTIVATIONS}")
+    num_local = experts_max - experts_min + 1
+    if len(w12) != num_local or len(w3) != num_local:
+        raise ValueError(
+            f"mixture_of_experts: {len(w12)}/{len(w3)} expert weights for experts "
+            f"{experts_min}..{experts_max}"
+        )
+    tokens, hidden = hidden_states.shape
+    topk = expert_routing_table.shape[-1]
+    local = expert_routing_table.reshape(-1).long() - experts_min
+    # Slots routed to other ranks sort last, under the id num_local, and are never visited.
+    local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    order = torch.argsort(local, stable=True)
+    counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
+    weights = router_weights.reshape(-1).float()
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]
+        start += count
+        rows = slots // topk
+        x = hidden_states.index_select(0, rows)
+        up_w, down_w = w12[expert], w3[expert]
+        gate_up = x @ (up_w.t() if permuted_weights else up_w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        y = (act * up) @ (down_w.t() if permuted_weights else down_w)
+        out.index_add_(0, rows, y.float() * weights[slots].unsqueeze(-1))
+    return out.to(hidden_states.dtype)

@@ -14,7 +14,9 @@ import habana_frameworks.torch as htorch  # noqa: F401 - registers the hpu devic
 import habana_frameworks.torch.core as htcore
 import habana_frameworks.torch.hpu as hthpu
 import torch
-from habana_frameworks.torch.hpex.kernels import FusedSDPA
+from habana_frameworks.torch.hpex.kernels import FusedSDPA, RotaryPosEmbeddingMode
+from habana_frameworks.torch.hpex.kernels import apply_rotary_pos_emb as _hpu_rotary_pos_emb
+from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
 NAME = "gaudi"
 DEVICE_TYPE = "hpu"
@@ -119,4 +121,55 @@ def fused_sdpa(
         recompute_mode,
         valid_sequence_lengths,
         padding_side,
+    )
+
+
+# ----------------------------------------------------------------------------- op-family kernels
+# Used by vllm-gaudi-ops; emulated.py states the semantics of each one.
+
+ROPE_BLOCKWISE = RotaryPosEmbeddingMode.BLOCKWISE.value
+ROPE_PAIRWISE = RotaryPosEmbeddingMode.PAIRWISE.value
+
+MOE_ACTIVATIONS = ("silu", "gelu")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    if weight.dtype != x.dtype:
+        # The contract applies a float32 weight (Gemma's 1 + weight) in float32.
+        return FusedRMSNorm.apply(x.float(), weight.float(), epsilon).to(x.dtype)
+    return FusedRMSNorm.apply(x, weight, epsilon)
+
+
+def apply_rotary_pos_emb(
+    p: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    offset: int = 0,
+    mode: int = ROPE_BLOCKWISE,
+) -> torch.Tensor:
+    return _hpu_rotary_pos_emb(p, cos, sin, position_ids, offset, RotaryPosEmbeddingMode(mode))
+
+
+def mixture_of_experts(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    return torch.ops.hpu.mixture_of_experts(
+        hidden_states=hidden_states,
+        expert_routing_table=expert_routing_table,
+        router_weights=router_weights,
+        w12=list(w12),
+        w3=list(w3),
+        permuted_weights=permuted_weights,
+        activation=activation,
+        experts_min=experts_min,
+        experts_max=experts_max,
     )
