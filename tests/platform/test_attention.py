@@ -156,3 +156,16 @@ def test_bfloat16_prefill_and_decode_stay_close_to_float32_reference():
     plan = _plan(prompt=[(2, 16, 2)], decode=[(2, 1, 4)])
     out, ref, _ = _run([1, 12], [20, 5], plan, seed=3, dtype=torch.bfloat16)
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+def test_packed_context_buckets_extend_single_row_context_fourfold():
+    plan = _plan(prompt=[(1, 64, 0), (1, 64, 2), (1, 128, 2)])
+    extended = step_layout.with_packed_context(plan)
+    added = set(extended.prompt) - set(plan.prompt)
+    assert added == {Bucket("prompt", 1, q, c) for q in (64, 128) for c in (4, 8)}
+    assert extended.decode == plan.decode
+
+
+def test_bucket_file_plans_are_not_extended():
+    plan = BucketPlan(strategy="file", prompt=(Bucket("prompt", 1, 64, 2),), decode=())
+    assert step_layout.with_packed_context(plan) is plan

@@ -95,6 +95,9 @@ class HPUModelRunner(GPUModelRunner):
         self.use_cuda_graph = False
         if self.seam.IS_EMULATED:
             self._share_host_buffers()
+        self.max_num_batched_tokens = budget
+        self.block_size = self.cache_config.block_size
+        # Provisional until the KV cache exists (initialize_kv_cache rebuilds it).
         self.bucket_plan: BucketPlan = plan_from_env(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=budget,
@@ -138,6 +141,22 @@ class HPUModelRunner(GPUModelRunner):
                 seen.add(kv.data_ptr())
                 kv.index_fill_(0, index, 0)
 
+    def initialize_kv_cache(self, kv_cache_config, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        # The plan's block arithmetic must use the block size and count the KV cache really has.
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = spec.block_size
+        sched = self.scheduler_config
+        self.bucket_plan = step_layout.with_packed_context(
+            plan_from_env(
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                num_kv_blocks=kv_cache_config.num_blocks,
+            )
+        )
+
     def load_model(self, load_dummy_weights: bool = False) -> None:
         if load_dummy_weights:
             raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
@@ -177,7 +196,7 @@ class HPUModelRunner(GPUModelRunner):
         layout = step_layout.plan_step(
             query_lens=query_lens,
             seq_lens=seq_lens,
-            block_size=self.cache_config.block_size,
+            block_size=self.block_size,
             plan=self.bucket_plan,
         )
         self.recompiles.record(layout)
@@ -219,7 +238,7 @@ class HPUModelRunner(GPUModelRunner):
 
     @torch.no_grad()
     def _run_bucket(self, bucket: Bucket, num_blocks: int) -> None:
-        block_size = self.cache_config.block_size
+        block_size = self.block_size
         layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size)
         n = len(seq_lens)
         # Every warmup sequence reads and writes block 0, the null block that vLLM never hands

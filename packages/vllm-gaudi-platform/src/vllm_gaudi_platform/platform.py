@@ -226,6 +226,14 @@ class HpuPlatform(Platform):
             raise NotImplementedError("MLA models are not supported on HPU by vllm-gaudi yet.")
 
     @classmethod
+    def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
+        # vLLM would otherwise replace an unspecified block size by its generic default (16)
+        # after check_and_update_config; Gaudi's paged attention is built around 128.
+        cache_config = vllm_config.cache_config
+        if not cache_config.user_specified_block_size:
+            cache_config.block_size = DEFAULT_BLOCK_SIZE
+
+    @classmethod
     def log_warnings(cls) -> None:
         if _seam.IS_EMULATED:
             logger.info("HPU platform active: Gaudi kernels %s (no Gaudi device used)", _seam.NAME)

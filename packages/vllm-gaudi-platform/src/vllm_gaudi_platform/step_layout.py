@@ -70,6 +70,33 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+PACKED_CONTEXT_FACTOR = 4
+
+
+def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -> BucketPlan:
+    """Add the single-row prompt buckets that packed prefills need.
+
+    A packed row holds the context blocks of all its requests, so its context can exceed one
+    sequence's maximum. For every single-row query bucket this adds context buckets doubling from
+    the plan's largest up to `factor` times it, so that a step with several chunked or
+    prefix-cached prefills still finds a warmed shape. A plan read from a bucket file is kept
+    exactly as the operator wrote it.
+    """
+    if plan.strategy == "file":
+        return plan
+    singles = [b for b in plan.prompt if b.batch_size == 1]
+    if not singles:
+        return plan
+    top = max(b.ctx_blocks for b in singles)
+    extra_ctx, c = [], max(top, 1) * 2
+    while c <= max(top, 1) * factor:
+        extra_ctx.append(c)
+        c *= 2
+    queries = sorted({b.query_len for b in singles})
+    extra = [Bucket("prompt", 1, q, c) for q in queries for c in extra_ctx]
+    return BucketPlan(plan.strategy, (*plan.prompt, *extra), plan.decode)
+
+
 def plan_prefill(
     members: list[int],
     query_lens: list[int],
