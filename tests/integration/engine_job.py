@@ -21,7 +21,9 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=job["model"], **job["engine"])
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=5)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], logprobs=5, ignore_eos=True
+    )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     rounds = []
     for _ in range(job.get("rounds", 1)):

@@ -85,6 +85,7 @@ def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int = 12) -> lis
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # like ignore_eos=True on the vLLM side
     results = []
     with torch.no_grad():
         for prompt in prompts:
