@@ -1,0 +1,242 @@
+"""Unquantized mixture-of-experts on Gaudi's mixture_of_experts kernel, and grouped routing.
+
+vLLM 0.32 has no FusedMoE CustomOp: the hook is UnquantizedFusedMoEMethod, the layer's
+quantization method (a CustomOp too). vLLM's MoE runner either routes with its own router and
+calls `apply` (a "modular" method), or hands the router logits to `apply_monolithic`. vLLM's
+routers call top-k kernels compiled for CUDA/ROCm/CPU (vllm._moe_C), which an out-of-tree
+platform does not have, so this method is monolithic: it routes in torch (`route`), then calls
+`apply`, whose CustomOp dispatch runs `forward_oot` and the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopk
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+    UnquantizedFusedMoEMethod,
+)
+
+from vllm_gaudi_ops import stats
+from vllm_gaudi_platform.seam import backend
+
+FAMILY = "moe"
+
+# vLLM's MoE activations and the kernel's names for them (Gaudi's "gelu" is the tanh form).
+KERNEL_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU_TANH: "gelu"}
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+def _unsupported(moe: FusedMoEConfig) -> str | None:
+    if moe.activation not in KERNEL_ACTIVATIONS:
+        names = ", ".join(a.value for a in KERNEL_ACTIVATIONS)
+        return f"activation {moe.activation.value!r} (the kernel supports {names})"
+    if moe.has_bias:
+        return "expert biases"
+    if moe.has_hash_routing:
+        return "hash routing"
+    return None
+
+
+def route(
+    layer: torch.nn.Module, hidden_states: torch.Tensor, router_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts vLLM's router would pick for the layer: (float32 weights, int32 ids).
+
+    A custom routing function is called as vLLM calls it. Otherwise scores are the softmax or
+    sigmoid of the logits (in float32); with grouped routing only the best `topk_group` expert
+    groups compete; a correction bias changes which experts win but not their weights; weights
+    are renormalized when asked, and scaled by routed_scaling_factor where vLLM's grouped and
+    biased routers scale them (its plain top-k router does not).
+    """
+    if router_logits.shape[-1] != layer.global_num_experts:
+        # e.g. LongCat's "zero experts", which only vLLM's ZeroExpertRouter handles.
+        raise ValueError(
+            f"router logits score {router_logits.shape[-1]} experts but the layer has "
+            f"{layer.global_num_experts}; this routing scheme is not supported on HPU"
+        )
+    if layer.custom_routing_function is not None:
+        weights, ids = layer.custom_routing_function(
+            hidden_states=hidden_states,
+            gating_output=router_logits,
+            topk=layer.top_k,
+            renormalize=layer.renormalize,
+        )
+        return weights.to(torch.float32), ids.to(torch.int32)
+    bias = layer.e_score_correction_bias
+    grouped = layer.use_grouped_topk
+    return grouped_topk(
+        router_logits.float(),
+        layer.top_k,
+        layer.renormalize,
+        num_expert_group=layer.num_expert_group if grouped else 1,
+        topk_group=layer.topk_group if grouped else 1,
+        scoring_func=layer.scoring_func,
+        routed_scaling_factor=layer.routed_scaling_factor if grouped or bias is not None else 1.0,
+        e_score_correction_bias=bias,
+    )
+
+
+class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+    """Routing in torch, experts through the kernel (per-expert weight views taken once)."""
+
+    def __init__(self, moe: FusedMoEConfig) -> None:
+        super().__init__(moe)
+        problem = _unsupported(moe)
+        if problem is not None:
+            raise ValueError(
+                f"Gaudi's mixture_of_experts kernel cannot run this model's MoE layers: "
+                f"{problem}. vllm-gaudi cannot serve this model yet."
+            )
+        self.kernel_activation = KERNEL_ACTIVATIONS[moe.activation]
+        self._expert_weights: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None
+        self._expert_weights = None
+
+    @classmethod
+    def enabled(cls) -> bool:
+        # On an out-of-tree platform vLLM builds no MoE kernel, so forward_native cannot run:
+        # this path is the only one, whatever compilation_config.custom_ops says.
+        return True
+
+    @property
+    def is_monolithic(self) -> bool:
+        return True
+
+    @property
+    def supports_eplb(self) -> bool:
+        # EPLB remaps experts inside vLLM's routers, which this method does not use.
+        return False
+
+    def create_weights(self, layer: torch.nn.Module, *args, **kwargs) -> None:
+        if layer.custom_routing_function is None and layer.scoring_func not in SCORING_FUNCS:
+            raise ValueError(
+                f"MoE scoring function {layer.scoring_func!r} is not supported on HPU by "
+                f"vllm-gaudi (supported: {', '.join(SCORING_FUNCS)}, or a custom routing "
+                "function)."
+            )
+        super().create_weights(layer, *args, **kwargs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # vLLM's version prepares weights for vLLM's own kernels (none on an out-of-tree
+        # platform); the kernel here takes [E, out, in] weights as loaded, one view per expert.
+        self._expert_weights = (
+            tuple(layer.w13_weight.data.unbind(0)),
+            tuple(layer.w2_weight.data.unbind(0)),
+        )
+
+    def apply_monolithic(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        topk_weights, topk_ids = route(layer, x, router_logits)
+        sink = getattr(layer, "routing_sink", None)
+        if sink is not None:  # routed-experts capture, as vLLM's monolithic kernels do it
+            captured = sink.buffer[: topk_ids.shape[0]]
+            captured.copy_(topk_ids)
+            sink.capture_fn(captured)
+        return self.apply(layer, x, topk_weights, topk_ids, None, None)
+
+    def forward_oot(
+        self,
+        layer: torch.nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared_experts: torch.nn.Module | None = None,
+        shared_experts_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Shared experts: the runner runs them itself, since this method cannot overlap them.
+        stats.count(FAMILY)
+        if self._expert_weights is None:
+            self.process_weights_after_loading(layer)
+        assert self._expert_weights is not None
+        w12, w3 = self._expert_weights
+        num_local = len(w12)
+        ids = topk_ids.long()
+        expert_map = getattr(layer, "expert_map", None)
+        if expert_map is not None:
+            # Expert parallelism: global ids -> this rank's ids; other ranks' experts (-1) get
+            # an id past the local range, which the kernel skips.
+            ids = expert_map[ids]
+            ids = torch.where(ids < 0, num_local, ids)
+        weights = topk_weights.to(x.dtype)
+        if layer.apply_router_weight_on_input:
+            # Llama 4 (top-1): the router weight scales the input, not the expert output.
+            x = x * weights
+            weights = torch.ones_like(weights)
+        return backend().mixture_of_experts(
+            x, ids, weights, w12, w3, True, self.kernel_activation, 0, num_local - 1
+        )
+
+
+def grouped_topk(
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    num_expert_group: int,
+    topk_group: int,
+    scoring_func: str = "softmax",
+    routed_scaling_factor: float = 1.0,
+    e_score_correction_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek routing: keep the `topk_group` best expert groups, then the `topk` best experts
+    in them. With a correction bias, biased scores select and unbiased scores weigh. Returns
+    (float32 weights, int32 ids) [tokens, topk], like vLLM's."""
+    if scoring_func == "softmax":
+        scores = torch.softmax(gating_output, dim=-1)
+    elif scoring_func == "sigmoid":
+        scores = gating_output.sigmoid()
+    else:
+        raise ValueError(f"Unsupported scoring function: {scoring_func}")
+    tokens = scores.shape[0]
+    selection = scores if e_score_correction_bias is None else scores + e_score_correction_bias
+    groups = selection.view(tokens, num_expert_group, -1)
+    if e_score_correction_bias is None:
+        group_scores = groups.amax(dim=-1)
+    else:
+        group_scores = groups.topk(2, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+    selection = groups.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)
+    topk_ids = selection.topk(topk, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights.to(torch.float32), topk_ids.to(torch.int32)
+
+
+class HpuGroupedTopk(GroupedTopk):
+    """Grouped top-k in eager torch: vLLM's version is torch.compile'd with dynamic shapes,
+    which on Gaudi would mean a graph recompile for new token counts."""
+
+    def forward_oot(
+        self,
+        hidden_states: torch.Tensor,
+        gating_output: torch.Tensor,
+        e_score_correction_bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stats.count(FAMILY)
+        if hidden_states.shape[0] != gating_output.shape[0]:
+            raise ValueError("grouped top-k: hidden_states and gating_output token counts differ")
+        return grouped_topk(
+            gating_output,
+            self.topk,
+            self.renormalize,
+            self.num_expert_group,
+            self.topk_group,
+            self.scoring_func,
+            self.routed_scaling_factor,
+            e_score_correction_bias,
+        )
+
+
+REPLACEMENTS: tuple[tuple[type, type], ...] = (
+    (UnquantizedFusedMoEMethod, HpuUnquantizedFusedMoEMethod),
+    (GroupedTopk, HpuGroupedTopk),
+)

@@ -1,0 +1,18 @@
+"""`hpu_ops_norm`: the normalization family (vllm.general_plugins entry point)."""
+
+from __future__ import annotations
+
+from vllm_gaudi_platform.plugins import general_plugin
+
+
+@general_plugin("hpu_ops_norm")
+def register() -> None:
+    """Replace vLLM's RMSNorm and GemmaRMSNorm with Gaudi's fused RMSNorm kernel.
+
+    Does nothing but log one line when vLLM's active platform is not HPU (real or emulated),
+    and warns instead when the installed vLLM is outside the supported range. Idempotent.
+    """
+    from vllm_gaudi_ops.layers import norm
+    from vllm_gaudi_ops.replacement import replace_ops
+
+    replace_ops(norm.REPLACEMENTS)

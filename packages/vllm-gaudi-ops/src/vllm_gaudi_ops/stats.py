@@ -1,0 +1,57 @@
+"""How often each op family's Gaudi path (`forward_oot`) ran in this process.
+
+`COUNTS` maps a family name ("norm", "rotary", ...) to the number of `forward_oot` calls; tests
+read it in-process. vLLM runs the model in other processes (engine core, workers), so when
+VLLM_HPU_OPS_STATS_FILE names a file, each process that ran an op adds its counts to that JSON
+file (`{"norm": 96, "rotary": 48}`) when the interpreter exits normally. The file is merged
+under an exclusive lock, so concurrent exits are safe; delete it before a run to start from zero.
+
+The counter proves that a family's code ran; it is not a profiler: inside a compiled graph or an
+HPU graph replay, Python code runs once per trace/capture, not once per replay.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+
+STATS_FILE_ENV = "VLLM_HPU_OPS_STATS_FILE"
+
+COUNTS: dict[str, int] = {}
+
+
+def count(family: str) -> None:
+    """Record one forward_oot call of `family` (a dict update: cheap enough for every call)."""
+    COUNTS[family] = COUNTS.get(family, 0) + 1
+
+
+def merge_into_file(path: str, counts: dict[str, int]) -> None:
+    """Add `counts` to the JSON object in `path` (created if missing) under an exclusive lock."""
+    import fcntl
+
+    with open(path, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        totals: dict[str, int] = {}
+        if text.strip():
+            with contextlib.suppress(ValueError):
+                totals = {str(k): int(v) for k, v in json.loads(text).items()}
+        for family, n in counts.items():
+            totals[family] = totals.get(family, 0) + n
+        f.seek(0)
+        f.truncate()
+        json.dump(totals, f, sort_keys=True)
+        f.flush()
+
+
+def _write_at_exit() -> None:
+    path = os.environ.get(STATS_FILE_ENV)
+    if path and COUNTS:
+        merge_into_file(path, dict(COUNTS))
+
+
+if os.environ.get(STATS_FILE_ENV):
+    atexit.register(_write_at_exit)

@@ -1,0 +1,72 @@
+"""Fixtures for the op-family tests.
+
+- `emulated`: the seam's emulated backend, resolved under VLLM_HPU_EMULATION=cpu for one test
+  (the seam caches its backend per process, so the cache is cleared around the test).
+- `vllm_config`: a default VllmConfig set as current, which vLLM layers need to be built.
+- `assert_matches`: assert_close with the tolerance of the dtype (see TOLERANCES).
+- Tests marked `gaudi` are skipped, with the reason, where habana_frameworks is not importable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+import torch
+
+# vLLM's own defaults for comparing a kernel with its native implementation (vllm/ir/tolerances):
+# float32 agrees to rounding; bfloat16 has an 8-bit mantissa, so 1.6e-2 relative is ~2 ulps.
+TOLERANCES = {
+    torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
+    torch.bfloat16: {"atol": 1e-3, "rtol": 1.6e-2},
+}
+
+
+@pytest.fixture(autouse=True)
+def _skip_gaudi_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("gaudi") and not importlib.util.find_spec(
+        "habana_frameworks"
+    ):
+        pytest.skip("needs an Intel Gaudi: habana_frameworks is not importable")
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    from vllm_gaudi_platform.seam import backend
+
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    backend.cache_clear()
+    kernels = backend()
+    assert kernels.IS_EMULATED
+    yield kernels
+    backend.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def _default_vllm_config():
+    from vllm.config import VllmConfig
+
+    return VllmConfig()
+
+
+@pytest.fixture
+def vllm_config(_default_vllm_config):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(_default_vllm_config):
+        yield _default_vllm_config
+
+
+@pytest.fixture(scope="session")
+def assert_matches() -> Callable[..., None]:
+    """`assert_matches(actual, expected, **override)`: same dtype and shape, values within the
+    dtype's TOLERANCES (or the override)."""
+
+    def check(actual: torch.Tensor, expected: torch.Tensor, **override: float) -> None:
+        assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+        tolerance = {**TOLERANCES[expected.dtype], **override}
+        torch.testing.assert_close(actual.detach(), expected.detach(), **tolerance)
+
+    return check

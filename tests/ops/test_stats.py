@@ -1,0 +1,48 @@
+"""The per-family dispatch counter, in-process and through VLLM_HPU_OPS_STATS_FILE."""
+
+from __future__ import annotations
+
+import json
+
+from vllm_gaudi_ops import stats
+
+COUNT_TWICE = "from vllm_gaudi_ops import stats; stats.count('norm'); stats.count('rotary')"
+
+
+def test_count_adds_one_per_call_for_its_family():
+    before = dict(stats.COUNTS)
+
+    stats.count("test-family")
+    stats.count("test-family")
+
+    assert stats.COUNTS["test-family"] == before.get("test-family", 0) + 2
+    assert {k: v for k, v in stats.COUNTS.items() if k != "test-family"} == {
+        k: v for k, v in before.items() if k != "test-family"
+    }
+
+
+def test_merge_into_file_creates_the_file(tmp_path):
+    path = tmp_path / "stats.json"
+
+    stats.merge_into_file(str(path), {"norm": 3})
+
+    assert json.loads(path.read_text()) == {"norm": 3}
+
+
+def test_merge_into_file_adds_to_the_counts_already_there(tmp_path):
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"norm": 3, "moe": 1}))
+
+    stats.merge_into_file(str(path), {"norm": 2, "rotary": 5})
+
+    assert json.loads(path.read_text()) == {"norm": 5, "moe": 1, "rotary": 5}
+
+
+def test_each_process_adds_its_counts_to_the_file_at_exit(run_python, tmp_path):
+    path = tmp_path / "stats.json"
+
+    for _ in range(2):
+        result = run_python(COUNT_TWICE, env={stats.STATS_FILE_ENV: str(path)})
+        assert result.returncode == 0, result.stderr
+
+    assert json.loads(path.read_text()) == {"norm": 2, "rotary": 2}
