@@ -17,7 +17,7 @@ import contextlib
 import json
 import os
 
-STATS_FILE_ENV = "VLLM_HPU_OPS_STATS_FILE"
+from vllm_gaudi_platform.envs import VLLM_HPU_OPS_STATS_FILE as STATS_FILE_ENV
 
 COUNTS: dict[str, int] = {}
 

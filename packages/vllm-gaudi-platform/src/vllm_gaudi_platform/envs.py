@@ -71,6 +71,11 @@ VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "8",
     "Device memory (GiB) the CPU emulation reports as the total memory of one emulated HPU.",
 )
+VLLM_HPU_OPS_STATS_FILE = _declare(
+    "VLLM_HPU_OPS_STATS_FILE",
+    None,
+    "A JSON file each process adds its per-op-family forward_oot counts to at exit (tests).",
+)
 
 
 def get_raw(name: str) -> str | None:
