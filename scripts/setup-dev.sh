@@ -26,7 +26,8 @@ if [ -z "${UV_FIND_LINKS:-}" ]; then
 fi
 
 # Workspace members + dev group, exactly as locked.
-uv sync --frozen --all-packages --group dev --python python3
+# --inexact: keep the CPU engine, which the lock does not list, across re-syncs.
+uv sync --frozen --inexact --all-packages --group dev --python python3
 
 # The CPU engine is not part of the lock: on Gaudi, torch and vLLM come from Intel's image, so no
 # member may depend on them. It goes into the same venv beside the locked packages.
