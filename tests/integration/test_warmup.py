@@ -21,9 +21,29 @@ def model() -> str:
     return str(tinymodels.build("llama"))
 
 
-def test_shape_outside_the_warmed_buckets_is_counted_as_a_recompile(model):
-    proc, result = run_engine(model, LONG_PROMPT, emulate=True, max_tokens=4, env=NARROW)
+@pytest.fixture(scope="module")
+def narrow_run(model):
+    # No kv_cache_memory_bytes: the worker profiles memory on a 1 GiB emulated HPU.
+    env = {**NARROW, "VLLM_HPU_EMULATION_MEMORY_GB": "1"}
+    engine = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.5}
+    proc, result = run_engine(
+        model, LONG_PROMPT, emulate=True, max_tokens=4, env=env, engine=engine
+    )
     assert result is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, result
+
+
+def test_kv_cache_size_is_profiled_from_the_emulated_device_memory(narrow_run):
+    proc, _ = narrow_run
+    logs = proc.stdout + proc.stderr
+    line = next(x for x in logs.splitlines() if "KV cache:" in x and "total" in x)
+    assert "total 1.00 GiB" in line and "graph reserve 10%" in line
+    kv_gib = float(line.split("KV cache:")[1].split("GiB")[0])
+    assert 0.1 < kv_gib < 0.5  # 1 GiB x 0.5 utilization - weights - activations, less 10%
+
+
+def test_shape_outside_the_warmed_buckets_is_counted_as_a_recompile(narrow_run):
+    proc, result = narrow_run
     stats = result["stats"]
     assert stats["recompiles"] >= 1
     unwarmed = stats["unwarmed_buckets"][0]

@@ -75,6 +75,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "sibling" in metafunc.fixturenames:
         siblings = [m for m in members if m.name != PLATFORM]
         metafunc.parametrize("sibling", siblings, ids=[m.name for m in siblings])
+    if "plugin_sibling" in metafunc.fixturenames:
+        # Only siblings that declare general plugins; the others have nothing to register.
+        with_plugins = [
+            m for m in members if m.name != PLATFORM and m.entry_points.get("vllm.general_plugins")
+        ]
+        metafunc.parametrize("plugin_sibling", with_plugins, ids=[m.name for m in with_plugins])
 
 
 @pytest.fixture(scope="session")

@@ -122,12 +122,10 @@ def test_entry_points_load_and_run_when_installed_alone(probe, member):
 
 
 def test_general_plugins_register_on_emulated_hpu_when_installed_alone(
-    sibling, isolated_venv, run_python
+    plugin_sibling, isolated_venv, run_python
 ):
-    general = sibling.entry_points.get("vllm.general_plugins", {})
-    if not general:
-        pytest.skip(f"{sibling.name} declares no general plugin yet")
-    outcomes = run_probe(isolated_venv(sibling), run_python)["outcomes"]
+    general = plugin_sibling.entry_points["vllm.general_plugins"]
+    outcomes = run_probe(isolated_venv(plugin_sibling), run_python)["outcomes"]
     # A missing optional package is a legitimate skip; anything else means the plugin did nothing.
     not_registered = {
         name: outcomes.get(name, "never went through plugins.general_plugin")
