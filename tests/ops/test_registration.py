@@ -69,7 +69,7 @@ class Collect(logging.Handler):
     def emit(self, record):
         if record.levelno >= logging.WARNING:
             warnings.append(record.getMessage())
-logging.getLogger("vllm_gaudi_platform").addHandler(Collect())
+logging.getLogger("vllm.vllm_gaudi_platform").addHandler(Collect())
 
 modules = [norm, rotary, activation, moe, encoder_attention]
 for _ in range(2):

@@ -24,7 +24,7 @@ from vllm_gaudi_platform.envs import EnvError
 # The tiny test model's engine limits.
 TINY = dict(max_num_seqs=16, max_num_batched_tokens=2048, max_model_len=512, block_size=128)
 STRATEGIES = ("exp", "lin", "pad")
-LOGGER = "vllm_gaudi_platform.bucketing"
+LOGGER = "vllm.vllm_gaudi_platform.bucketing"
 
 
 def plan(environ: dict[str, str] | None = None, **limits) -> BucketPlan:

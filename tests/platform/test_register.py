@@ -13,7 +13,8 @@ PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
 
 
 def _records(caplog: pytest.LogCaptureFixture, level: int) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name.startswith("vllm_gaudi") and r.levelno == level]
+    ours = [r for r in caplog.records if r.name.startswith("vllm.vllm_gaudi")]
+    return [r for r in ours if r.levelno == level]
 
 
 def test_register_returns_platform_class_under_cpu_emulation(monkeypatch):
@@ -30,7 +31,7 @@ def test_register_returns_none_and_warns_naming_the_variable_for_a_bad_emulation
     monkeypatch, caplog
 ):
     monkeypatch.setenv("VLLM_HPU_EMULATION", "gpu")
-    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
 
     assert vllm_gaudi_platform.register() is None
 
@@ -45,7 +46,7 @@ def test_register_never_raises_when_the_probe_fails(monkeypatch, caplog):
         raise RuntimeError("device runtime exploded")
 
     monkeypatch.setattr(detection, "probe_device", broken_probe)
-    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
 
     assert vllm_gaudi_platform.register() is None
     assert "device runtime exploded" in _records(caplog, logging.WARNING)[0].getMessage()
@@ -104,14 +105,14 @@ def test_general_plugin_skips_with_one_log_line_when_platform_is_not_hpu(
     fresh_outcomes, monkeypatch, caplog
 ):
     monkeypatch.setattr(plugins, "hpu_platform_active", lambda: False)
-    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
     register, calls = _counting_plugin("hpu_test_skip")
 
     register()
     register()
 
     assert calls == []
-    lines = [r for r in caplog.records if r.name.startswith("vllm_gaudi")]
+    lines = [r for r in caplog.records if r.name.startswith("vllm.vllm_gaudi")]
     assert len(lines) == 1
     assert "hpu_test_skip" in lines[0].getMessage()
     assert "not HPU" in lines[0].getMessage()
@@ -122,7 +123,7 @@ def test_general_plugin_warns_once_naming_version_and_range_for_unsupported_vllm
 ):
     old = compat.VersionCheck("vllm", "0.31.2", str(compat.SUPPORTED_VLLM), "vllm")
     monkeypatch.setattr(compat, "check_vllm", lambda: old)
-    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
     register, calls = _counting_plugin("hpu_test_version")
 
     register()
@@ -141,7 +142,7 @@ def test_general_plugin_turns_missing_dependency_into_a_warning(fresh_outcomes, 
     def needs_nixl() -> None:
         plugins.require("nixl-test-package", "nixl_test_package_absent", "vllm-gaudi-x[nixl]")
 
-    caplog.set_level(logging.DEBUG, logger="vllm_gaudi_platform")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
     register, calls = _counting_plugin("hpu_test_missing", needs_nixl)
 
     register()

@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
 
-_logger = logging.getLogger("vllm_gaudi_platform")
+_logger = logging.getLogger("vllm.vllm_gaudi_platform")
 
 
 def register() -> str | None:

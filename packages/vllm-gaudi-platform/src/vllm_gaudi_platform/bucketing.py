@@ -112,7 +112,7 @@ from itertools import product
 
 from vllm_gaudi_platform.envs import EnvError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")
 
 VLLM_BUCKETING_STRATEGY = "VLLM_BUCKETING_STRATEGY"
 VLLM_BUCKETING_FROM_FILE = "VLLM_BUCKETING_FROM_FILE"

@@ -25,7 +25,7 @@ from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env
 from vllm_gaudi_platform.seam import backend as seam_backend
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 
 class RecompileError(RuntimeError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -16,26 +15,9 @@ from vllm_gaudi_platform.seam import backend
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
-PACKAGES = ("vllm_gaudi_platform", "vllm_gaudi_ops", "vllm_gaudi_quant", "vllm_gaudi_connectors")
-
-
-def _adopt_vllm_logging() -> None:
-    """vLLM formats and prints only the `vllm` logger tree; give our packages' loggers the same
-    handlers and level so their INFO lines (bucket plan, warmup, recompiles) are not lost."""
-    vllm_logger = logging.getLogger("vllm")
-    for name in PACKAGES:
-        ours = logging.getLogger(name)
-        if ours.handlers or not vllm_logger.handlers:
-            continue
-        for handler in vllm_logger.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(vllm_logger.level)
-        ours.propagate = False
-
-
-_adopt_vllm_logging()
+# Loggers live under `vllm.` (f"vllm.{__name__}"): vLLM configures handlers for that tree only.
 
 _seam = backend()
 ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from vllm_gaudi_platform import compat
 
-_logger = logging.getLogger("vllm_gaudi_platform.plugins")
+_logger = logging.getLogger("vllm.vllm_gaudi_platform.plugins")
 
 # name -> outcome ("registered", "skipped: ...") for this process; read by tests and doctor.
 OUTCOMES: dict[str, str] = {}

@@ -17,7 +17,7 @@ from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.model_runner import HPUModelRunner
 from vllm_gaudi_platform.seam import backend as seam_backend
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")
 
 LORA_UNSUPPORTED = "LoRA adapters are not supported on HPU by vllm-gaudi yet."
 
