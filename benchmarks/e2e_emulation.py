@@ -1,14 +1,17 @@
 """End-to-end throughput: the HPU platform in CPU emulation vs vLLM's own CPU backend.
 
-Same tiny Llama, same seeded workload, same engine settings; each backend runs in its own fresh
+Same tiny Llama, same seeded workload, same engine settings; each backend runs in its own
 process (vLLM resolves its platform once per process): this script re-invokes itself with
-`--worker <backend>`. Only `LLM.generate()` is timed, after the engine is up and after one small
-warm-up generate; each engine runs `--rounds` workloads (distinct seeds, so no prefix-cache hits
-between them) and the table reports the last. It gives requests/s, output tokens/s and the ratio
-HPU emulation / CPU backend; the target is >= 0.8 (emulation runs the Gaudi kernel API in plain
-torch under the bucketed static-shape runner, and should cost little more than vLLM's CPU path).
+`--worker <backend>`. Both engines start first (one after the other); then the rounds alternate,
+round i on one engine and then on the other, so both meet the machine in the same state (a small
+shared machine drifts by tens of percent over minutes, and an idle engine takes no CPU). Only
+`LLM.generate()` is timed. Each round is a new workload (distinct seeds, so no prefix-cache hits
+between rounds); the first only warms up and the table adds up the others. It gives requests/s,
+output tokens/s and the ratio HPU emulation / CPU backend; the target is >= 0.8 (emulation runs
+the Gaudi kernel API in plain torch under the bucketed static-shape runner, and should cost
+little more than vLLM's CPU path).
 
-    python benchmarks/e2e_emulation.py [--prompts 64] [--max-tokens 32] [--seed 0] [--rounds 2]
+    python benchmarks/e2e_emulation.py [--prompts 64] [--max-tokens 32] [--seed 0] [--rounds 4]
     python benchmarks/e2e_emulation.py --omp-threads 1   # pin intra-op threads for both sides
     python benchmarks/e2e_emulation.py --profile   # + cProfile of the HPU side, in one process
 
@@ -26,6 +29,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 BACKENDS = ("hpu-emulation", "cpu")
@@ -64,11 +68,11 @@ def _print_profile(profiler, top: int) -> None:
         print(out.getvalue(), file=sys.stderr)
 
 
-def run_worker(job: dict) -> dict:
+def run_worker(job: dict) -> None:
+    """Start one engine, then run the rounds the driver asks for, one line per command."""
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
-    profile = job.get("profile", False)
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], **job["engine"])
     startup = time.perf_counter() - t0
@@ -76,41 +80,44 @@ def run_worker(job: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate(_token_prompts(job["rounds"][0][:2]), warm, use_tqdm=False)
+    _reply("READY", {"platform": type(current_platform).__name__, "startup_s": startup})
 
-    rounds = []
-    for i, workload in enumerate(job["rounds"]):
-        prompts = _token_prompts(workload)
-        profiler = None
-        if profile and i == len(job["rounds"]) - 1:
-            import cProfile
+    for line in sys.stdin:
+        command = line.split()
+        if command[0] == "ROUND":
+            i = int(command[1])
+            profiler = None
+            if job.get("profile") and i == len(job["rounds"]) - 1:
+                import cProfile
 
-            profiler = cProfile.Profile()
-            profiler.enable()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - t0
-        if profiler is not None:
-            profiler.disable()
-            _print_profile(profiler, job.get("profile_top", 40))
-        rounds.append(
-            {
-                "elapsed_s": elapsed,
-                "requests": len(outs),
-                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            }
-        )
+                profiler = cProfile.Profile()
+                profiler.enable()
+            t0 = time.perf_counter()
+            outs = llm.generate(_token_prompts(job["rounds"][i]), params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.disable()
+                _print_profile(profiler, job.get("profile_top", 40))
+            _reply(
+                "ROUND",
+                {
+                    "elapsed_s": elapsed,
+                    "requests": len(outs),
+                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                },
+            )
+        elif command[0] == "DONE":
+            extra = {}
+            if current_platform.device_name == "hpu":
+                stats = llm.collective_rpc("get_recompile_stats")[0]
+                extra = {"recompiles": stats["recompiles"], "warmup_s": stats["warmup_seconds"]}
+            _reply("DONE", extra)
+            return
 
-    result = {
-        "platform": type(current_platform).__name__,
-        "startup_s": startup,
-        "rounds": rounds,
-    }
-    if current_platform.device_name == "hpu":
-        stats = llm.collective_rpc("get_recompile_stats")[0]
-        result["recompiles"] = stats["recompiles"]
-        result["warmup_s"] = stats["warmup_seconds"]
-    return result
+
+def _reply(tag: str, payload: dict) -> None:
+    print(f"@@{tag} {json.dumps(payload)}", flush=True)
 
 
 def _token_prompts(workload: list[list[int]]) -> list:
@@ -120,32 +127,73 @@ def _token_prompts(workload: list[list[int]]) -> list:
 
 
 # ---------------------------------------------------------------------------------- driver side
-def run_backend(backend: str, job: dict, timeout: int, omp_threads: int | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    if omp_threads is not None:
-        env["OMP_NUM_THREADS"] = str(omp_threads)
-    if backend == "hpu-emulation":
-        env["VLLM_HPU_EMULATION"] = "cpu"
+class Engine:
+    """One backend's worker process: vLLM resolves its platform once per process."""
+
+    def __init__(self, backend: str, job: dict, omp_threads: int | None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+        if omp_threads is not None:
+            env["OMP_NUM_THREADS"] = str(omp_threads)
+        if backend == "hpu-emulation":
+            env["VLLM_HPU_EMULATION"] = "cpu"
+            if job.get("profile"):
+                env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + runner in-process
+        else:
+            env["VLLM_PLUGINS"] = ""  # vLLM's own CPU backend, no plugin at all
+        self.backend = backend
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (lives as long as the engine)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--worker", backend],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, tag: str) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(f"@@{tag} "):
+                return json.loads(line[len(tag) + 3 :])
+        self.proc.wait()
+        self.log.seek(0)
+        raise SystemExit(
+            f"{self.backend} worker failed (rc={self.proc.returncode}):\n{self.log.read()[-6000:]}"
+        )
+
+    def send(self, command: str) -> None:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def stderr_text(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+def run_interleaved(backends: tuple[str, ...], job: dict, omp_threads: int | None) -> dict:
+    """Start every engine (one at a time, so start-up does not overlap), then run round i on each
+    engine in turn: both backends meet the machine in the same state, round after round."""
+    engines = {}
+    results = {}
+    for backend in backends:
+        engines[backend] = Engine(backend, job, omp_threads)
+        results[backend] = {**engines[backend].expect("READY"), "rounds": []}
+    for i in range(len(job["rounds"])):
+        for backend, engine in engines.items():
+            engine.send(f"ROUND {i}")
+            results[backend]["rounds"].append(engine.expect("ROUND"))
+    for backend, engine in engines.items():
+        engine.send("DONE")
+        results[backend].update(engine.expect("DONE"))
+        engine.proc.wait()
         if job.get("profile"):
-            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + runner in this process
-    else:
-        env["VLLM_PLUGINS"] = ""  # vLLM's own CPU backend, no plugin at all
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", backend],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    if job.get("profile"):
-        start = proc.stderr.find("===== HPU side")
-        if start >= 0:
-            print(proc.stderr[start:])
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    raise SystemExit(f"{backend} worker failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+            text = engine.stderr_text()
+            start = text.find("===== HPU side")
+            if start >= 0:
+                print(text[start:])
+    return results
 
 
 def main() -> None:
@@ -153,8 +201,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rounds", type=int, default=2, help="workloads per engine; last timed")
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per backend")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="workloads per engine; all but the first timed"
+    )
     parser.add_argument(
         "--omp-threads",
         type=int,
@@ -166,15 +215,14 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:
-        result = run_worker(json.load(sys.stdin))
-        print("RESULT " + json.dumps(result), flush=True)
+        run_worker(json.loads(sys.stdin.readline()))
         return
 
     from vllm_gaudi_platform import tinymodels
 
     model = str(tinymodels.build("llama"))
     # One workload per round, each with its own seed: no prefix-cache hits across rounds. The
-    # table reports the last round; earlier ones warm up what one engine start does not (the
+    # table adds up all rounds but the first, which warms up what one engine start does not (the
     # CPU backend's torch.compile meets new shapes on first use).
     rounds = [
         make_workload(args.prompts, args.seed + i, tinymodels.VOCAB_SIZE)
@@ -192,32 +240,37 @@ def main() -> None:
     print(
         f"tiny llama, {len(lens)} prompts of {lens[0]}..{lens[-1]} tokens (median "
         f"{lens[len(lens) // 2]}), max_tokens {args.max_tokens}, greedy, ignore_eos; "
-        f"{args.rounds} round(s), seeds {args.seed}..{args.seed + args.rounds - 1}, the last "
-        f"one timed\nengine {ENGINE}; OMP_NUM_THREADS "
+        f"{args.rounds} round(s), seeds {args.seed}..{args.seed + args.rounds - 1}, all but the "
+        f"first timed\nengine {ENGINE}; OMP_NUM_THREADS "
         f"{args.omp_threads or os.environ.get('OMP_NUM_THREADS', 'not set (vLLM chooses)')}"
     )
     backends = ("hpu-emulation",) if args.profile else BACKENDS
-    results = {b: run_backend(b, job, args.timeout, args.omp_threads) for b in backends}
+    results = run_interleaved(backends, job, args.omp_threads)
     if args.profile:
         return
 
     def tok_s(r: dict) -> float:
         return r["output_tokens"] / r["elapsed_s"]
 
+    def timed(res: dict) -> dict:
+        """All rounds but the warm-up one, added up."""
+        kept = res["rounds"][1:] or res["rounds"]
+        return {k: sum(r[k] for r in kept) for k in ("elapsed_s", "requests", "output_tokens")}
+
     print(
         f"\n{'backend':<14} {'platform':<12} {'req/s':>7} {'out tok/s':>10} {'gen s':>6} "
         f"{'start s':>7}  notes"
     )
     for backend, res in results.items():
-        last = res["rounds"][-1]
+        agg = timed(res)
         notes = "out tok/s per round: " + ", ".join(f"{tok_s(r):.0f}" for r in res["rounds"])
         if "recompiles" in res:
             notes += f"; warmup {res['warmup_s']:.1f} s, recompiles {res['recompiles']}"
         print(
-            f"{backend:<14} {res['platform']:<12} {last['requests'] / last['elapsed_s']:>7.2f} "
-            f"{tok_s(last):>10.1f} {last['elapsed_s']:>6.2f} {res['startup_s']:>7.1f}  {notes}"
+            f"{backend:<14} {res['platform']:<12} {agg['requests'] / agg['elapsed_s']:>7.2f} "
+            f"{tok_s(agg):>10.1f} {agg['elapsed_s']:>6.2f} {res['startup_s']:>7.1f}  {notes}"
         )
-    ratio = tok_s(results["hpu-emulation"]["rounds"][-1]) / tok_s(results["cpu"]["rounds"][-1])
+    ratio = tok_s(timed(results["hpu-emulation"])) / tok_s(timed(results["cpu"]))
     verdict = "meets" if ratio >= TARGET else "BELOW"
     print(
         f"\nratio HPU emulation / CPU backend (output tokens/s): {ratio:.2f} "

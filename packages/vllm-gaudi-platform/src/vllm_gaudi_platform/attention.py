@@ -82,7 +82,7 @@ class HPUAttentionMetadata:
     # decode part (None when the step has none)
     decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
     decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
-    decode_block_usage: torch.Tensor | None = None  # [num_blocks_bucket] used slots per block
+    decode_block_bias: torch.Tensor | None = None  # [num_blocks_bucket, block_size] 0 / -inf
 
 
 class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
@@ -212,7 +212,10 @@ def build_metadata(
             cell_to_token[base + slot] = starts[i]
         md.decode_block_list = block_list.to(device)
         md.decode_block_groups = groups.to(device)
-        md.decode_block_usage = usage.to(device)
+        # Additive bias per block slot: 0 where the slot holds a token, -inf past the block's usage.
+        unused = torch.arange(block_size)[None, :] >= usage[:, None]
+        bias = torch.zeros(nb, block_size, dtype=torch.float32).masked_fill_(unused, float("-inf"))
+        md.decode_block_bias = bias.to(device)
 
     # Padding cells take the padding token indices at the tail, in order: a permutation.
     free = cell_to_token < 0
@@ -222,6 +225,23 @@ def build_metadata(
     md.cell_to_token = cell_to_token.to(device)
     md.token_to_cell = token_to_cell.to(device)
     return md
+
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A scratch tensor reused by every layer and step of the same bucket shape.
+
+    Layers run one after another, so one buffer per (name, shape) serves them all; shapes come
+    from buckets, so the set stays small. Reusing it spares the multi-megabyte allocation (and,
+    on the CPU, the page faults of fresh memory) that a per-call gather would cost.
+    """
+    key = (name, shape, dtype, str(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None:
+        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
 
 
 class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
@@ -336,30 +356,38 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         return out.transpose(1, 2).reshape(rows * qb, h, d)
 
     def _decode(self, q, blocks_view, block_size, md):
-        dec = md.layout.decode
-        bsz = dec.batch_bucket
+        bsz = md.layout.decode.batch_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
         g = h // hk
-        blocks, groups, usage = md.decode_block_list, md.decode_block_groups, md.decode_block_usage
+        blocks, groups = md.decode_block_list, md.decode_block_groups
         nb = blocks.numel()
-        kv = blocks_view.index_select(0, blocks).float()  # [nb, block_size, hk, 2d]
-        kc, vc = kv[..., :d], kv[..., d:]
-        # An extra all-zero query row absorbs padding blocks (group == bsz).
-        q_ext = torch.cat([q.float(), q.new_zeros(1, h, d, dtype=torch.float32)])
-        qb = q_ext[groups].view(nb, hk, g, d)
-        scores = torch.einsum("nkgd,nskd->nkgs", qb, kc) * self.scale
-        valid = torch.arange(block_size, device=q.device)[None, :] < usage[:, None]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        block_max = scores.amax(dim=-1)  # [nb, hk, g]
-        seq_max = torch.full((bsz + 1, hk, g), float("-inf"), device=q.device)
-        seq_max = seq_max.scatter_reduce(
-            0, groups[:, None, None].expand(nb, hk, g), block_max, reduce="amax"
-        )
-        seq_max = torch.nan_to_num(seq_max, neginf=0.0)
-        probs = torch.exp(scores - seq_max[groups][..., None])
-        denom = torch.zeros(bsz + 1, hk, g, device=q.device).index_add_(0, groups, probs.sum(-1))
-        num = torch.zeros(bsz + 1, hk, g, d, device=q.device).index_add_(
-            0, groups, torch.einsum("nkgs,nskd->nkgd", probs, vc)
-        )
-        out = num / denom.clamp_min(1e-30)[..., None]
-        return out[:bsz].reshape(bsz, h, d).to(q.dtype)
+        # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
+        kv = _workspace("decode_kv", (nb, *blocks_view.shape[1:]), blocks_view.dtype, q.device)
+        torch.index_select(blocks_view, 0, blocks, out=kv)
+        if kv.dtype != torch.float32:
+            kv = kv.float()
+        # Each block gets its sequence's query (pre-scaled); padding blocks (group == bsz) get an
+        # extra all-zero row.
+        q_ext = torch.zeros(bsz + 1, h, d, dtype=torch.float32, device=q.device)
+        torch.mul(q, self.scale, out=q_ext[:bsz])
+        qb = q_ext.index_select(0, groups).view(nb, hk, g, d)
+        # Per KV head, one batched matmul over strided views of the gathered blocks (no copies).
+        scores = torch.empty(hk, nb, g, block_size, device=q.device)
+        for k in range(hk):
+            torch.bmm(qb[:, k], kv[:, :, k, :d].transpose(1, 2), out=scores[k])
+        scores += md.decode_block_bias[:, None, :]  # unused slots: -inf
+        # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
+        block_max = scores.amax(dim=-1)  # [hk, nb, g]
+        seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=q.device)
+        seq_max.scatter_reduce_(1, groups[None, :, None].expand(hk, nb, g), block_max, "amax")
+        seq_max.nan_to_num_(neginf=0.0)
+        scores -= seq_max.index_select(1, groups)[..., None]
+        probs = scores.exp_()
+        denom = torch.zeros(hk, bsz + 1, g, device=q.device)
+        denom.index_add_(1, groups, probs.sum(dim=-1))
+        block_out = torch.empty(hk, nb, g, d, device=q.device)
+        for k in range(hk):
+            torch.bmm(probs[k], kv[:, :, k, d:], out=block_out[k])
+        num = torch.zeros(hk, bsz + 1, g, d, device=q.device).index_add_(1, groups, block_out)
+        out = num[:, :bsz] / denom[:, :bsz, :, None].clamp_min(1e-30)  # [hk, bsz, g, d]
+        return out.permute(1, 0, 2, 3).reshape(bsz, h, d).to(q.dtype)

@@ -187,11 +187,6 @@ class HpuPlatform(Platform):
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
             parallel_config.worker_cls = WORKER_CLS
-        if (
-            parallel_config.distributed_executor_backend == "uni"
-            and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "1"
-        ):
-            parallel_config.distributed_executor_backend = "mp"
         parallel_config.disable_custom_all_reduce = True
         # Gaudi's runtime (and a torch that already holds threads) cannot be forked safely.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

@@ -153,9 +153,41 @@ def fused_sdpa(
         causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
         mask = causal if mask is None else _combine(mask, causal)
     enable_gqa = key.shape[-3] != query.shape[-3]
+    if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and q_len > SDPA_TILE:
+        return _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
+
+
+SDPA_TILE = 64  # query rows per tile when skipping masked-out keys
+
+
+def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> torch.Tensor:
+    """The same attention as one masked SDPA call, computed per tile of query rows over only the
+    key positions that some row of the tile may attend.
+
+    A key no row of a tile may see contributes exactly nothing to that tile's softmax, so leaving
+    it out changes no result. Packed prefill rows (several sequences with a block-diagonal mask)
+    and padded context otherwise cost the full q_len x kv_len product.
+    """
+    batch, q_len = query.shape[0], query.shape[-2]
+    mask = mask.expand(batch, mask.shape[1], q_len, mask.shape[-1])
+    out = torch.empty_like(query)
+    for b in range(batch):
+        for start in range(0, q_len, SDPA_TILE):
+            rows = slice(start, start + SDPA_TILE)
+            tile_mask = mask[b : b + 1, :, rows]  # [1, mask heads, tile, kv_len]
+            keys = tile_mask.any(dim=2).any(dim=1)[0].nonzero().squeeze(1)
+            out[b : b + 1, :, rows] = F.scaled_dot_product_attention(
+                query[b : b + 1, :, rows],
+                key[b : b + 1].index_select(-2, keys),
+                value[b : b + 1].index_select(-2, keys),
+                attn_mask=tile_mask.index_select(-1, keys),
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+    return out
 
 
 def _combine(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
