@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -76,6 +77,7 @@ class HPUAttentionMetadata:
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slot of each real token
     cell_to_token: torch.Tensor  # [num_tokens_padded] flat token index of each layout cell
     token_to_cell: torch.Tensor  # [num_tokens_padded] inverse permutation
+    identity_layout: bool = False  # cells already in token order: no reordering needed
     # prefill part (None when the step has none)
     prefill_ctx_blocks: torch.Tensor | None = None  # [rows, ctx_bucket] block ids
     prefill_mask: torch.Tensor | None = None  # [rows, 1, q_bucket, ctx_bucket*bs + q_bucket]
@@ -139,92 +141,123 @@ def build_metadata(
     block_size: int,
     device: torch.device,
 ) -> HPUAttentionMetadata:
-    """Turn a planned step layout into the index tensors the attention kernels consume."""
-    query_lens = layout.query_lens
-    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
+    """Turn a planned step layout into the index tensors the attention kernels consume.
+
+    All index arithmetic is vectorized in numpy (one pass per part, no per-sequence tensor ops):
+    it runs every step, on the host, before the forward pass.
+    """
+    query_lens = np.asarray(layout.query_lens, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    ctx_lens = seq - query_lens
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
     total = layout.num_tokens_padded
-    cell_to_token = torch.full((total,), -1, dtype=torch.int64)
+    table = block_table.numpy() if block_table.dtype == torch.int64 else block_table.long().numpy()
+    cell_to_token = np.full(total, -1, dtype=np.int64)
 
     md = HPUAttentionMetadata(
         layout=layout,
-        num_actual_tokens=starts[-1],
+        num_actual_tokens=int(starts[-1]),
         slot_mapping=slot_mapping,
-        cell_to_token=cell_to_token,
-        token_to_cell=cell_to_token,  # replaced below
+        cell_to_token=None,  # set below
+        token_to_cell=None,
     )
 
     prefill = layout.prefill
     if prefill is not None:
         rows, qb, cb = prefill.rows, prefill.query_bucket, prefill.ctx_bucket
         kv_len = cb * block_size + qb
-        ctx_blocks = torch.zeros(rows, max(cb, 0), dtype=torch.int64)
-        # Per layout cell / key slot: owning sequence (-1 = padding) and absolute position.
-        q_seq = torch.full((rows, qb), -1, dtype=torch.int64)
-        q_pos = torch.zeros(rows, qb, dtype=torch.int64)
-        k_seq = torch.full((rows, kv_len), -2, dtype=torch.int64)
-        k_pos = torch.zeros(rows, kv_len, dtype=torch.int64)
-        for r, members in enumerate(prefill.row_members):
-            col, blk = 0, 0
-            for i in members:
-                q, c = query_lens[i], ctx_lens[i]
-                n_blk = -(-c // block_size)
-                if n_blk:
-                    ctx_blocks[r, blk : blk + n_blk] = block_table[i, :n_blk].to(torch.int64)
-                    k_seq[r, blk * block_size : blk * block_size + c] = i
-                    k_pos[r, blk * block_size : blk * block_size + c] = torch.arange(c)
-                    blk += n_blk
-                cells = slice(r * qb + col, r * qb + col + q)
-                cell_to_token[cells] = torch.arange(starts[i], starts[i] + q)
-                q_seq[r, col : col + q] = i
-                q_pos[r, col : col + q] = torch.arange(c, c + q)
-                k_seq[r, cb * block_size + col : cb * block_size + col + q] = i
-                k_pos[r, cb * block_size + col : cb * block_size + col + q] = torch.arange(c, c + q)
-                col += q
-        same_seq = q_seq[:, :, None] == k_seq[:, None, :]
-        mask = same_seq & (k_pos[:, None, :] <= q_pos[:, :, None])
+        members = np.array([i for row in prefill.row_members for i in row], dtype=np.int64)
+        # Rows past row_members are padding rows of the bucket.
+        row_sizes = [len(row) for row in prefill.row_members]
+        row_of = np.repeat(np.arange(len(row_sizes), dtype=np.int64), row_sizes)
+        q = query_lens[members]
+        c = ctx_lens[members]
+        n_blk = -(-c // block_size)
+        # Offsets of each member inside its row: query columns and context blocks.
+        col = _offsets_within_rows(q, row_of)
+        blk = _offsets_within_rows(n_blk, row_of)
+
+        # Context blocks: row r holds its members' blocks back to back.
+        ctx_blocks = np.zeros((rows, max(cb, 0)), dtype=np.int64)
+        if n_blk.sum():
+            m_rep = np.repeat(np.arange(len(members)), n_blk)
+            j = np.arange(m_rep.size) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
+            ctx_blocks[row_of[m_rep], blk[m_rep] + j] = table[members[m_rep], j]
+
+        # Owner (-1: padding) and absolute position of every query cell and key slot.
+        q_seq = np.full((rows, qb), -1, dtype=np.int64)
+        q_pos = np.zeros((rows, qb), dtype=np.int64)
+        k_seq = np.full((rows, kv_len), -2, dtype=np.int64)
+        k_pos = np.zeros((rows, kv_len), dtype=np.int64)
+        t_rep = np.repeat(np.arange(len(members)), q)  # member of each new token
+        t_off = np.arange(t_rep.size) - np.repeat(np.cumsum(q) - q, q)
+        r_t, col_t = row_of[t_rep], col[t_rep] + t_off
+        q_seq[r_t, col_t] = members[t_rep]
+        q_pos[r_t, col_t] = c[t_rep] + t_off
+        k_seq[r_t, cb * block_size + col_t] = members[t_rep]
+        k_pos[r_t, cb * block_size + col_t] = c[t_rep] + t_off
+        cell_to_token[r_t * qb + col_t] = starts[members[t_rep]] + t_off
+        c_rep = np.repeat(np.arange(len(members)), c)  # member of each cached token
+        c_off = np.arange(c_rep.size) - np.repeat(np.cumsum(c) - c, c)
+        k_seq[row_of[c_rep], blk[c_rep] * block_size + c_off] = members[c_rep]
+        k_pos[row_of[c_rep], blk[c_rep] * block_size + c_off] = c_off
+
+        q_seq_t, k_seq_t = torch.from_numpy(q_seq), torch.from_numpy(k_seq)
+        q_pos_t, k_pos_t = torch.from_numpy(q_pos), torch.from_numpy(k_pos)
+        mask = (q_seq_t[:, :, None] == k_seq_t[:, None, :]) & (
+            k_pos_t[:, None, :] <= q_pos_t[:, :, None]
+        )
         # Padding queries attend to their own (padding) key only: finite, and never read.
-        pad_q = q_seq < 0
-        own = torch.zeros(rows, qb, kv_len, dtype=torch.bool)
-        own[:, torch.arange(qb), cb * block_size + torch.arange(qb)] = True
-        mask = torch.where(pad_q[:, :, None], own, mask)
-        md.prefill_ctx_blocks = ctx_blocks.to(device)
+        pad = np.nonzero(q_seq < 0)
+        mask[pad[0], pad[1], cb * block_size + pad[1]] = True
+        md.prefill_ctx_blocks = torch.from_numpy(ctx_blocks).to(device)
         md.prefill_mask = mask[:, None].to(device)
 
     decode = layout.decode
     if decode is not None:
         base = prefill.rows * prefill.query_bucket if prefill is not None else 0
         nb = decode.blocks_bucket
-        block_list = torch.zeros(nb, dtype=torch.int64)
-        groups = torch.full((nb,), decode.batch_bucket, dtype=torch.int64)
-        usage = torch.zeros(nb, dtype=torch.int64)
-        pos = 0
-        for slot, i in enumerate(decode.members):
-            seq_len = seq_lens[i]
-            n_blk = -(-seq_len // block_size)
-            block_list[pos : pos + n_blk] = block_table[i, :n_blk].to(torch.int64)
-            groups[pos : pos + n_blk] = slot
-            usage[pos : pos + n_blk] = block_size
-            usage[pos + n_blk - 1] = seq_len - (n_blk - 1) * block_size
-            pos += n_blk
-            cell_to_token[base + slot] = starts[i]
-        md.decode_block_list = block_list.to(device)
-        md.decode_block_groups = groups.to(device)
+        members = np.asarray(decode.members, dtype=np.int64)
+        lens = seq[members]
+        n_blk = -(-lens // block_size)
+        used = int(n_blk.sum())
+        m_rep = np.repeat(np.arange(len(members)), n_blk)
+        j = np.arange(used) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
+        block_list = np.zeros(nb, dtype=np.int64)
+        block_list[:used] = table[members[m_rep], j]
+        groups = np.full(nb, decode.batch_bucket, dtype=np.int64)
+        groups[:used] = m_rep
+        usage = np.zeros(nb, dtype=np.int64)
+        usage[:used] = block_size
+        usage[np.cumsum(n_blk) - 1] = lens - (n_blk - 1) * block_size
+        cell_to_token[base + np.arange(len(members))] = starts[members]
+        md.decode_block_list = torch.from_numpy(block_list).to(device)
+        md.decode_block_groups = torch.from_numpy(groups).to(device)
         # Additive bias per block slot: 0 where the slot holds a token, -inf past the block's usage.
-        unused = torch.arange(block_size)[None, :] >= usage[:, None]
-        bias = torch.zeros(nb, block_size, dtype=torch.float32).masked_fill_(unused, float("-inf"))
-        md.decode_block_bias = bias.to(device)
+        unused = np.arange(block_size)[None, :] >= usage[:, None]
+        bias = np.where(unused, np.float32(-np.inf), np.float32(0.0))
+        md.decode_block_bias = torch.from_numpy(bias).to(device)
 
     # Padding cells take the padding token indices at the tail, in order: a permutation.
     free = cell_to_token < 0
-    cell_to_token[free] = torch.arange(starts[-1], total)
-    token_to_cell = torch.empty_like(cell_to_token)
-    token_to_cell[cell_to_token] = torch.arange(total)
-    md.cell_to_token = cell_to_token.to(device)
-    md.token_to_cell = token_to_cell.to(device)
+    cell_to_token[free] = np.arange(int(starts[-1]), total)
+    token_to_cell = np.empty_like(cell_to_token)
+    token_to_cell[cell_to_token] = np.arange(total)
+    md.identity_layout = bool((cell_to_token == np.arange(total)).all())
+    md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
+    md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
     return md
+
+
+def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:
+    """Start of each item inside its row when a row's items are laid out back to back (items
+    of one row are consecutive, in order)."""
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    first = np.r_[True, row_of[1:] != row_of[:-1]]
+    row_start = np.maximum.accumulate(np.where(first, starts, 0))
+    return starts - row_start
 
 
 _WORKSPACE: dict[tuple, torch.Tensor] = {}
@@ -308,29 +341,29 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         blocks_view = flat.view(num_blocks, block_size, hk, 2 * d)
 
         # Reorder tokens into the bucketed layout (a permutation: static shapes, no data lost).
-        q_cells = q[md.cell_to_token]
-        out_cells = torch.empty_like(q_cells)
+        # A step with one part only is usually laid out in token order already.
+        if md.identity_layout:
+            q_cells, k_cells, v_cells = q, k, v
+            out_cells = output[:total].view(total, h, d)
+        else:
+            q_cells = q[md.cell_to_token]
+            k_cells, v_cells = k[md.cell_to_token], v[md.cell_to_token]
+            out_cells = torch.empty_like(q_cells)
         layout = md.layout
+        n_cells = 0
         if layout.prefill is not None:
             p = layout.prefill
             n_cells = p.rows * p.query_bucket
             out_cells[:n_cells] = self._prefill(
-                q_cells[:n_cells],
-                k[md.cell_to_token[:n_cells]],
-                v[md.cell_to_token[:n_cells]],
-                blocks_view,
-                block_size,
-                md,
+                q_cells[:n_cells], k_cells[:n_cells], v_cells[:n_cells], blocks_view, block_size, md
             )
-        else:
-            n_cells = 0
         if layout.decode is not None:
             bsz = layout.decode.batch_bucket
             out_cells[n_cells : n_cells + bsz] = self._decode(
                 q_cells[n_cells : n_cells + bsz], blocks_view, block_size, md
             )
-        out = out_cells[md.token_to_cell]
-        output[:total].view(total, h, d).copy_(out)
+        if not md.identity_layout:
+            output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
         return output
 
     def _prefill(self, q, k_new, v_new, blocks_view, block_size, md):

@@ -171,19 +171,25 @@ def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> to
     it out changes no result. Packed prefill rows (several sequences with a block-diagonal mask)
     and padded context otherwise cost the full q_len x kv_len product.
     """
-    batch, q_len = query.shape[0], query.shape[-2]
-    mask = mask.expand(batch, mask.shape[1], q_len, mask.shape[-1])
+    batch, q_len, kv_len = query.shape[0], query.shape[-2], key.shape[-2]
+    mask = mask.expand(batch, mask.shape[1], q_len, kv_len)
+    # Which keys each tile may see: [batch, tiles, kv_len], one reduction for all tiles.
+    tiles = -(-q_len // SDPA_TILE)
+    visible = (mask[:, 0] if mask.shape[1] == 1 else mask.any(dim=1)).view(torch.uint8)
+    if q_len % SDPA_TILE:
+        visible = F.pad(visible, (0, 0, 0, tiles * SDPA_TILE - q_len))
+    # amax over uint8 is a vectorized reduction; `any` over a middle dimension is not.
+    visible = visible.view(batch, tiles, SDPA_TILE, kv_len).amax(dim=2)
     out = torch.empty_like(query)
     for b in range(batch):
-        for start in range(0, q_len, SDPA_TILE):
-            rows = slice(start, start + SDPA_TILE)
-            tile_mask = mask[b : b + 1, :, rows]  # [1, mask heads, tile, kv_len]
-            keys = tile_mask.any(dim=2).any(dim=1)[0].nonzero().squeeze(1)
+        for t in range(tiles):
+            rows = slice(t * SDPA_TILE, (t + 1) * SDPA_TILE)
+            keys = visible[b, t].nonzero().squeeze(1)
             out[b : b + 1, :, rows] = F.scaled_dot_product_attention(
                 query[b : b + 1, :, rows],
                 key[b : b + 1].index_select(-2, keys),
                 value[b : b + 1].index_select(-2, keys),
-                attn_mask=tile_mask.index_select(-1, keys),
+                attn_mask=mask[b : b + 1, :, rows].index_select(-1, keys),
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
