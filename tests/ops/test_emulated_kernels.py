@@ -170,6 +170,38 @@ def test_moe_skips_experts_outside_the_local_range(assert_matches):
     assert (table < 2).any() or (table > 4).any()  # the case is exercised
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("experts_min, experts_max", [(0, 7), (2, 5)])
+def test_moe_at_decode_size_where_most_experts_get_no_token(
+    dtype, activation, tokens, experts_min, experts_max, assert_matches
+):
+    # 1 or 3 tokens, top-2 of 8 experts: most experts get no slot; on the rank holding experts
+    # 2..5, some of the few slots are routed elsewhere.
+    x, table, weights, w12, w3 = _moe_inputs(dtype, tokens=tokens, experts=8)
+    w12, w3 = w12[experts_min : experts_max + 1], w3[experts_min : experts_max + 1]
+
+    out = emulated.mixture_of_experts(
+        x, table, weights, w12, w3, True, activation, experts_min, experts_max
+    )
+
+    expected = _moe_reference(x, table, weights, w12, w3, experts_min, activation).to(dtype)
+    assert_matches(out, expected, **MOE_TOLERANCE[dtype])
+    assert len(table.unique()) < 8  # the case is exercised
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_is_zero_when_no_slot_is_routed_to_this_rank(dtype):
+    x, table, weights, w12, w3 = _moe_inputs(dtype, tokens=2, experts=8)
+    assert (table > 2).all()  # this rank holds experts 0..2, which no token chose
+
+    out = emulated.mixture_of_experts(x, table, weights, w12[:3], w3[:3], True, "silu", 0, 2)
+
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.zeros_like(x))
+
+
 def test_moe_rejects_an_activation_the_kernel_does_not_have():
     x, table, weights, w12, w3 = _moe_inputs(torch.float32)
     with pytest.raises(ValueError, match="relu"):

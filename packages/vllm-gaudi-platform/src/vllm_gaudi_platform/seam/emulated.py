@@ -296,24 +296,29 @@ def mixture_of_experts(
     tokens, hidden = hidden_states.shape
     topk = expert_routing_table.shape[-1]
     local = expert_routing_table.reshape(-1).long() - experts_min
-    # Slots routed to other ranks sort last, under the id num_local, and are never visited.
+    # Slots routed to other ranks sort last, under the id num_local, and are dropped.
     local = torch.where((local >= 0) & (local < num_local), local, num_local)
-    order = torch.argsort(local, stable=True)
     counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
-    weights = router_weights.reshape(-1).float()
-    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    order = torch.argsort(local, stable=True)[: sum(counts)]
+    rows = order // topk
+    # The routed slots' inputs are gathered once, grouped by expert, and each selected expert
+    # runs on its span of rows; router weights and the scatter back to the tokens then apply to
+    # all slots at once. Per-expert gathers and scatters cost about as much as the matmuls on
+    # small models, and at decode sizes (a few rows per expert) are a measurable share too.
+    x = hidden_states.index_select(0, rows)
+    y = torch.empty_like(x)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        slots = order[start : start + count]
+        span = slice(start, start + count)
         start += count
-        rows = slots // topk
-        x = hidden_states.index_select(0, rows)
         up_w, down_w = w12[expert], w3[expert]
-        gate_up = x @ (up_w.t() if permuted_weights else up_w)
+        gate_up = x[span] @ (up_w.t() if permuted_weights else up_w)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-        y = (act * up) @ (down_w.t() if permuted_weights else down_w)
-        out.index_add_(0, rows, y.float() * weights[slots].unsqueeze(-1))
+        torch.mm(act * up, down_w.t() if permuted_weights else down_w, out=y[span])
+    weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    out.index_add_(0, rows, y.float() * weights)
     return out.to(hidden_states.dtype)

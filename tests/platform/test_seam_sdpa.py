@@ -1,0 +1,118 @@
+"""The emulated fused SDPA kernel (seam/emulated.py) against attention written the plain way in
+float64: masks (boolean and additive), causal, valid sequence lengths on either side, grouped-query
+heads, and the tiled path that skips keys no query of a tile may see."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_gaudi_platform.seam import emulated
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def _reference(q, k, v, allowed, scale=None):
+    """softmax(q k^T * scale, masked) v in float64; `allowed` is boolean, broadcastable."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).float()
+
+
+def _qkv(batch, heads, kv_heads, q_len, kv_len, dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(batch, heads, q_len, dim, generator=gen),
+        torch.randn(batch, kv_heads, kv_len, dim, generator=gen),
+        torch.randn(batch, kv_heads, kv_len, dim, generator=gen),
+    )
+
+
+def _packed_mask(q_len, ctx_lens, query_lens):
+    """A packed prefill row: each sequence sees its own context block then its own tokens
+    causally; padding queries see only their own key (the backend's convention)."""
+    ctx_total = sum(ctx_lens)
+    kv_len = ctx_total + q_len
+    mask = torch.zeros(q_len, kv_len, dtype=torch.bool)
+    col, ctx_col = 0, 0
+    for c, n in zip(ctx_lens, query_lens):
+        for i in range(n):
+            mask[col + i, ctx_col : ctx_col + c] = True
+            mask[col + i, ctx_total + col : ctx_total + col + i + 1] = True
+        col += n
+        ctx_col += c
+    for i in range(col, q_len):
+        mask[i, ctx_total + i] = True
+    return mask
+
+
+@pytest.mark.parametrize(
+    "ctx_lens,query_lens,q_len",
+    [
+        ([0, 0, 0], [50, 40, 60], 160),  # three prompts, padded; not a multiple of the tile
+        ([70, 0, 200], [30, 90, 10], 192),  # cached context for some sequences
+        ([5], [300], 300),  # one long sequence
+    ],
+)
+def test_tiled_path_equals_plain_masked_attention(ctx_lens, query_lens, q_len):
+    assert q_len > emulated.SDPA_TILE  # the tiled path is the one under test
+    mask = _packed_mask(q_len, ctx_lens, query_lens)
+    q, k, v = _qkv(1, 4, 2, q_len, mask.shape[-1])
+    out = emulated.fused_sdpa(q, k, v, attn_mask=mask[None, None], scale=0.3)
+    torch.testing.assert_close(out, _reference(q, k, v, mask, scale=0.3), **TOL)
+
+
+def test_tiled_path_handles_batches_and_per_head_masks():
+    q_len, kv_len = 2 * emulated.SDPA_TILE + 3, 150
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(2, 4, q_len, kv_len, generator=gen) < 0.1
+    mask[..., 0] = True  # every query row sees at least one key
+    q, k, v = _qkv(2, 4, 4, q_len, kv_len, seed=2)
+    out = emulated.fused_sdpa(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, _reference(q, k, v, mask), **TOL)
+
+
+def test_short_queries_with_a_boolean_mask():
+    mask = _packed_mask(24, [8, 0], [10, 12])
+    q, k, v = _qkv(1, 2, 1, 24, mask.shape[-1])
+    out = emulated.fused_sdpa(q, k, v, attn_mask=mask[None, None])
+    torch.testing.assert_close(out, _reference(q, k, v, mask), **TOL)
+
+
+def test_additive_mask_is_added_to_the_scores():
+    q, k, v = _qkv(1, 2, 2, 5, 7)
+    bias = torch.zeros(5, 7)
+    bias[:, 3:] = float("-inf")
+    out = emulated.fused_sdpa(q, k, v, attn_mask=bias[None, None])
+    allowed = torch.ones(5, 7, dtype=torch.bool)
+    allowed[:, 3:] = False
+    torch.testing.assert_close(out, _reference(q, k, v, allowed), **TOL)
+
+
+def test_causal_is_top_left_aligned():
+    q, k, v = _qkv(1, 2, 2, 6, 6)
+    out = emulated.fused_sdpa(q, k, v, is_causal=True)
+    allowed = torch.ones(6, 6, dtype=torch.bool).tril()
+    torch.testing.assert_close(out, _reference(q, k, v, allowed), **TOL)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_valid_sequence_lengths_mask_the_padded_side(side):
+    q, k, v = _qkv(2, 2, 2, 4, 9)
+    lens = torch.tensor([9, 5])
+    out = emulated.fused_sdpa(q, k, v, valid_sequence_lengths=lens, padding_side=side)
+    pos = torch.arange(9)
+    valid = pos[None] >= 9 - lens[:, None] if side == "left" else pos[None] < lens[:, None]
+    allowed = valid[:, None, None, :].expand(2, 2, 4, 9)
+    torch.testing.assert_close(out, _reference(q, k, v, allowed), **TOL)
+
+
+def test_dropout_is_refused():
+    q, k, v = _qkv(1, 1, 1, 2, 2)
+    with pytest.raises(ValueError, match="dropout"):
+        emulated.fused_sdpa(q, k, v, dropout_p=0.1)
