@@ -21,6 +21,25 @@ def test_count_adds_one_per_call_for_its_family():
     }
 
 
+def test_count_stays_out_of_compiled_graphs():
+    # vLLM's trace-once mode drops dynamo's guards: a traced update would become a constant
+    # written back by every call. Counting stays out of traced code.
+    import torch
+
+    def op(x):
+        stats.count("compiled-family")
+        return x + 1
+
+    compiled = torch.compile(op, backend="eager", fullgraph=True)
+    stats.COUNTS.pop("compiled-family", None)
+
+    for _ in range(3):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert "compiled-family" not in stats.COUNTS
+    op(torch.ones(2))
+    assert stats.COUNTS.pop("compiled-family") == 1
+
+
 def test_merge_into_file_creates_the_file(tmp_path):
     path = tmp_path / "stats.json"
 

@@ -6,8 +6,11 @@ VLLM_HPU_OPS_STATS_FILE names a file, each process that ran an op adds its count
 file (`{"norm": 96, "rotary": 48}`) when the interpreter exits normally. The file is merged
 under an exclusive lock, so concurrent exits are safe; delete it before a run to start from zero.
 
-The counter proves that a family's code ran; it is not a profiler: inside a compiled graph or an
-HPU graph replay, Python code runs once per trace/capture, not once per replay.
+The counter proves that a family's code ran; it is not a profiler. It counts eager calls only:
+nothing is counted while torch.compile traces a model. vLLM's trace-once compilation (Gaudi's
+torch.compile mode) drops dynamo's guards, so a traced update would become a constant written
+back by every call (seen: counts reset to their trace-time values each step). An HPU graph replay
+runs no Python either. Count with eager execution (`enforce_eager=True`, or lazy mode).
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ COUNTS: dict[str, int] = {}
 
 def count(family: str) -> None:
     """Record one forward_oot call of `family` (a dict update: cheap enough for every call)."""
+    if _is_compiling():
+        return
     COUNTS[family] = COUNTS.get(family, 0) + 1
+
+
+def _is_compiling() -> bool:
+    import torch  # the ops that call count() have torch loaded already
+
+    return torch.compiler.is_compiling()
 
 
 def merge_into_file(path: str, counts: dict[str, int]) -> None:
