@@ -24,9 +24,10 @@ doctor: setup ## what is installed, what will load, and why
 test: setup ## the whole test suite
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: setup ## ruff lint + format check
+lint: setup ## ruff lint + format check + type check (mypy, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -10,10 +10,12 @@ module imports this file and any pytest import mode works.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -87,3 +89,27 @@ def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
 def console_script() -> Callable[..., str]:
     """`console_script(name, python=sys.executable) -> path`."""
     return console_script_path
+
+
+@pytest.fixture
+def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The seam's emulated backend, resolved under VLLM_HPU_EMULATION=cpu for one test (the seam
+    caches its backend per process, so the cache is cleared around the test)."""
+    from vllm_gaudi_platform.seam import backend
+
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    backend.cache_clear()
+    kernels = backend()
+    assert kernels.IS_EMULATED
+    yield kernels
+    backend.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _skip_gaudi_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
+    """Tests marked `gaudi` need a real Gaudi: skipped, with that reason, where
+    habana_frameworks is not importable."""
+    if request.node.get_closest_marker("gaudi") and not importlib.util.find_spec(
+        "habana_frameworks"
+    ):
+        pytest.skip("needs an Intel Gaudi: habana_frameworks is not importable")

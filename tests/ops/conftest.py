@@ -1,17 +1,13 @@
 """Fixtures for the op-family tests.
 
-- `emulated`: the seam's emulated backend, resolved under VLLM_HPU_EMULATION=cpu for one test
-  (the seam caches its backend per process, so the cache is cleared around the test).
+- `emulated` (from the root conftest): the seam's emulated backend for one test.
 - `vllm_config`: a default VllmConfig set as current, which vLLM layers need to be built.
 - `assert_matches`: assert_close with the tolerance of the dtype (see TOLERANCES).
-- Tests marked `gaudi` are skipped, with the reason, where habana_frameworks is not importable.
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Iterator
-from types import ModuleType
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,26 +18,6 @@ TOLERANCES = {
     torch.float32: {"atol": 1e-5, "rtol": 1.3e-6},
     torch.bfloat16: {"atol": 1e-3, "rtol": 1.6e-2},
 }
-
-
-@pytest.fixture(autouse=True)
-def _skip_gaudi_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
-    if request.node.get_closest_marker("gaudi") and not importlib.util.find_spec(
-        "habana_frameworks"
-    ):
-        pytest.skip("needs an Intel Gaudi: habana_frameworks is not importable")
-
-
-@pytest.fixture
-def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    from vllm_gaudi_platform.seam import backend
-
-    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
-    backend.cache_clear()
-    kernels = backend()
-    assert kernels.IS_EMULATED
-    yield kernels
-    backend.cache_clear()
 
 
 @pytest.fixture(scope="session")

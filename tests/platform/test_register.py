@@ -7,7 +7,8 @@ import logging
 import pytest
 
 import vllm_gaudi_platform
-from vllm_gaudi_platform import compat, detection, plugins
+from vllm_gaudi_platform import compat, plugins
+from vllm_gaudi_platform.seam import probe as device_probe
 
 PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
 
@@ -45,7 +46,7 @@ def test_register_never_raises_when_the_probe_fails(monkeypatch, caplog):
     def broken_probe():
         raise RuntimeError("device runtime exploded")
 
-    monkeypatch.setattr(detection, "probe_device", broken_probe)
+    monkeypatch.setattr(device_probe, "probe_device", broken_probe)
     caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
 
     assert vllm_gaudi_platform.register() is None

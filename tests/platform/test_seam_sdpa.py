@@ -60,7 +60,7 @@ def _packed_mask(q_len, ctx_lens, query_lens):
     ],
 )
 def test_tiled_path_equals_plain_masked_attention(ctx_lens, query_lens, q_len):
-    assert q_len > emulated.SDPA_TILE  # the tiled path is the one under test
+    assert q_len > emulated._SDPA_TILE  # the tiled path is the one under test
     mask = _packed_mask(q_len, ctx_lens, query_lens)
     q, k, v = _qkv(1, 4, 2, q_len, mask.shape[-1])
     out = emulated.fused_sdpa(q, k, v, attn_mask=mask[None, None], scale=0.3)
@@ -68,7 +68,7 @@ def test_tiled_path_equals_plain_masked_attention(ctx_lens, query_lens, q_len):
 
 
 def test_tiled_path_handles_batches_and_per_head_masks():
-    q_len, kv_len = 2 * emulated.SDPA_TILE + 3, 150
+    q_len, kv_len = 2 * emulated._SDPA_TILE + 3, 150
     gen = torch.Generator().manual_seed(1)
     mask = torch.rand(2, 4, q_len, kv_len, generator=gen) < 0.1
     mask[..., 0] = True  # every query row sees at least one key
@@ -116,3 +116,25 @@ def test_dropout_is_refused():
     q, k, v = _qkv(1, 1, 1, 2, 2)
     with pytest.raises(ValueError, match="dropout"):
         emulated.fused_sdpa(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.gaudi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_gaudi_fused_sdpa_takes_grouped_query_heads_like_the_emulation(dtype, is_causal):
+    # gaudi.py reshapes a grouped-query call into Gaudi's 5-D layout; the result must be the
+    # emulation's (and the float64 reference's), head for head.
+    from vllm_gaudi_platform.seam import gaudi
+
+    q, k, v = (t.to(dtype) for t in _qkv(2, 8, 2, 37, 37, dim=64))
+    mask = torch.rand(2, 1, 37, 37, generator=torch.Generator().manual_seed(1)) > 0.3
+    mask |= torch.eye(37, dtype=torch.bool)  # every query sees at least one key
+    attn_mask = None if is_causal else mask
+    on_hpu = [t.to("hpu") for t in (q, k, v)]
+    hpu_mask = None if attn_mask is None else attn_mask.to("hpu")
+
+    out = gaudi.fused_sdpa(*on_hpu, attn_mask=hpu_mask, is_causal=is_causal).cpu()
+
+    expected = emulated.fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+    tol = TOL if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(out.float(), expected.float(), **tol)

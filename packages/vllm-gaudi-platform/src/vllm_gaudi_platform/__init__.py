@@ -23,7 +23,7 @@ def register() -> str | None:
     and turns into None. With no device and no emulation it imports neither torch nor vllm.
     """
     try:
-        from vllm_gaudi_platform.detection import probe_device
+        from vllm_gaudi_platform.seam.probe import probe_device
 
         probe = probe_device()
     except Exception as exc:

@@ -132,6 +132,9 @@ def _seq_lens_cpu(cm: CommonAttentionMetadata, num_reqs: int) -> list[int]:
     return [int(x) for x in src[:num_reqs].tolist()]
 
 
+_NO_TOKENS = torch.empty(0, dtype=torch.int64)
+
+
 def build_metadata(
     *,
     layout: step_layout.StepLayout,
@@ -159,8 +162,8 @@ def build_metadata(
         layout=layout,
         num_actual_tokens=int(starts[-1]),
         slot_mapping=slot_mapping,
-        cell_to_token=None,  # set below
-        token_to_cell=None,
+        cell_to_token=_NO_TOKENS,  # both set below, once the layout's cells are all known
+        token_to_cell=_NO_TOKENS,
     )
 
     prefill = layout.prefill

@@ -474,7 +474,7 @@ def _read_strategy(env: _Env) -> str:
 def _user_range(env: _Env, dim: _Dim, default: _Range, *, pad_max_of_max: bool = False) -> _Range:
     """A lin/pad range: each parameter from the environment, else its default."""
     found = {p: env.param(dim, p) for p in PARAMS}
-    value = {p: (found[p][1] if found[p] else getattr(default, p.lower())) for p in PARAMS}
+    value = {p: (hit[1] if (hit := found[p]) else getattr(default, p.lower())) for p in PARAMS}
     bmin, step, bmax = value["MIN"], value["STEP"], value["MAX"]
     if bmin > bmax:
         if found["MIN"] or found["MAX"]:
@@ -666,7 +666,7 @@ def read_bucket_file(path: str) -> list[tuple[int, int, int]]:
         for floor, values, name in zip((1, 1, 0), items, ("batch_size", "query_len", "ctx_blocks")):
             if min(values) < floor:
                 raise fail(f"{name} must be >= {floor}")
-        shapes.extend(product(*items))
+        shapes.extend((b, q, c) for b, q, c in product(*items))
     return shapes
 
 

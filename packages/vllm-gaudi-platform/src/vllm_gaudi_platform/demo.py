@@ -20,7 +20,7 @@ PROMPTS = [
 
 def run(*, max_tokens: int = 16, model: str | None = None) -> int:
     from vllm_gaudi_platform import envs, tinymodels
-    from vllm_gaudi_platform.seam import gaudi_software_installed
+    from vllm_gaudi_platform.seam.probe import gaudi_software_installed
 
     if envs.VLLM_HPU_EMULATION not in os.environ and not gaudi_software_installed():
         os.environ[envs.VLLM_HPU_EMULATION] = "cpu"

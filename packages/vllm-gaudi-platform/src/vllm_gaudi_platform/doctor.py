@@ -21,7 +21,8 @@ from typing import Any
 
 from packaging.utils import canonicalize_name
 
-from vllm_gaudi_platform import compat, detection, envs
+from vllm_gaudi_platform import compat, envs
+from vllm_gaudi_platform.seam.probe import probe_device
 
 WHEEL_PREFIX = "vllm-gaudi-"
 PLATFORM_WHEEL = "vllm-gaudi-platform"
@@ -294,7 +295,7 @@ def _check_target_device(report: Report) -> None:
 
 def _check_device(report: Report) -> None:
     try:
-        probe = detection.probe_device()
+        probe = probe_device()
     except envs.EnvError as exc:
         report.device = {"kind": "error", "count": 0, "label": "unknown", "reason": str(exc)}
         report.problems.append(str(exc))

@@ -72,11 +72,12 @@ def _without_cuda_handles():
     """vLLM's runner constructor makes CUDA events/streams; off CUDA they are no-ops."""
     seam = seam_backend()
     saved = torch.Event, torch.cuda.Stream
-    torch.Event, torch.cuda.Stream = seam.Event, seam.Stream
+    # A process-wide patch for the constructor's duration (see the ledger in the drift guard).
+    torch.Event, torch.cuda.Stream = seam.Event, seam.Stream  # type: ignore[misc, assignment]
     try:
         yield
     finally:
-        torch.Event, torch.cuda.Stream = saved
+        torch.Event, torch.cuda.Stream = saved  # type: ignore[misc]
 
 
 class HPUModelRunner(GPUModelRunner):
@@ -93,7 +94,7 @@ class HPUModelRunner(GPUModelRunner):
         finally:
             sched.max_num_batched_tokens = budget
         self.use_cuda_graph = False
-        if self.seam.IS_EMULATED:
+        if self.seam.SHARED_HOST_MEMORY:
             self._share_host_buffers()
         self.max_num_batched_tokens = budget
         self.block_size = self.cache_config.block_size

@@ -64,11 +64,11 @@ class HpuPlatform(Platform):
     # In emulation the tensors live on the CPU; the platform is still HPU (its worker, runner,
     # attention, bucketing and kernels), only the seam below it differs.
     device_type: str = _seam.DEVICE_TYPE
-    dispatch_key: str = "HPU" if _seam.DEVICE_TYPE == "hpu" else "CPU"
+    dispatch_key: str = _seam.DISPATCH_KEY
     ray_device_key: str = "HPU"
-    dist_backend: str = "hccl" if _seam.DEVICE_TYPE == "hpu" else "gloo"
+    dist_backend: str = _seam.DIST_BACKEND
     device_control_env_var: str = envs.HABANA_VISIBLE_MODULES
-    simple_compile_backend: str = "hpu_backend" if _seam.DEVICE_TYPE == "hpu" else "eager"
+    simple_compile_backend: str = _seam.COMPILE_BACKEND
     supported_quantization: list[str] = []
 
     @property
@@ -105,8 +105,7 @@ class HpuPlatform(Platform):
 
     @classmethod
     def set_device(cls, device: torch.device) -> None:
-        if device.type == "hpu":
-            torch.hpu.set_device(device)
+        _seam.set_device(device)
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
@@ -120,7 +119,7 @@ class HpuPlatform(Platform):
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:
-        return not _seam.IS_EMULATED
+        return _seam.PIN_MEMORY
 
     @classmethod
     def import_kernels(cls) -> None:

@@ -163,14 +163,14 @@ def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list
         query_lens = [q] * n
         seq_lens = [q + c * block_size] * n
         rows = tuple((i,) for i in range(n))
-        part = PrefillPart(n, q, c, rows, bucket, True)
-        return StepLayout(tuple(query_lens), part, None), seq_lens
+        prefill = PrefillPart(n, q, c, rows, bucket, True)
+        return StepLayout(tuple(query_lens), prefill, None), seq_lens
     n, blocks = bucket.batch_size, bucket.ctx_blocks
     per_seq = max(blocks // n, 1)
     query_lens = [1] * n
     seq_lens = [per_seq * block_size] * n
-    part = DecodePart(n, blocks, tuple(range(n)), bucket, True)
-    return StepLayout(tuple(query_lens), None, part), seq_lens
+    decode = DecodePart(n, blocks, tuple(range(n)), bucket, True)
+    return StepLayout(tuple(query_lens), None, decode), seq_lens
 
 
 _local = threading.local()

@@ -28,7 +28,7 @@ class HPUWorker(Worker):
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
         self.seam = seam_backend()
-        self.device = self.seam.torch_device(self.local_rank if not self.seam.IS_EMULATED else 0)
+        self.device = self.seam.torch_device(self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
         init_worker_distributed_environment(
@@ -116,7 +116,7 @@ class HPUWorker(Worker):
         if level != 1:
             raise ValueError(f"HPU sleep mode supports level 1 only, got level={level}.")
         model = self.model_runner.model
-        self._sleep_weights = {
+        self._sleep_weights: dict[str, torch.Tensor] | None = {
             name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
         }
         if not self.seam.IS_EMULATED:

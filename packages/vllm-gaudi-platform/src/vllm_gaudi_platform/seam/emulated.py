@@ -7,9 +7,7 @@ layouts, same results (up to floating-point rounding). Emulation never claims to
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,11 +16,21 @@ import torch.nn.functional as F
 NAME = "emulated on cpu"
 DEVICE_TYPE = "cpu"  # torch device type the tensors live on
 IS_EMULATED = True
+DISPATCH_KEY = "CPU"
+DIST_BACKEND = "gloo"
+# Emulation runs eagerly: Gaudi graph compilation has no CPU equivalent worth its compile time.
+COMPILE_BACKEND = "eager"
+PIN_MEMORY = False  # host and "device" are one memory: pinning buys nothing
+SHARED_HOST_MEMORY = True
 
 
 # ----------------------------------------------------------------------------- device runtime
 def torch_device(index: int = 0) -> torch.device:
     return torch.device("cpu")
+
+
+def set_device(device: torch.device) -> None:
+    """One emulated device: nothing to select."""
 
 
 def device_count() -> int:
@@ -66,31 +74,6 @@ def mark_step() -> None:
     """Lazy-mode graph flush. Eager CPU execution has nothing to flush."""
 
 
-class Graph:
-    """Capture/replay of a callable with static input buffers (HPU graphs on Gaudi).
-
-    The emulation replays by calling the function again on the captured input buffers, which is
-    what a replay computes; callers must update the buffers in place, exactly as on Gaudi.
-    """
-
-    def __init__(self) -> None:
-        self._fn: Callable[..., Any] | None = None
-        self._args: tuple = ()
-        self._kwargs: dict = {}
-        self.output: Any = None
-
-    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._fn, self._args, self._kwargs = fn, args, kwargs
-        self.output = fn(*args, **kwargs)
-        return self.output
-
-    def replay(self) -> Any:
-        if self._fn is None:
-            raise RuntimeError("Graph.replay() called before capture()")
-        self.output = self._fn(*self._args, **self._kwargs)
-        return self.output
-
-
 class Stream:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -111,10 +94,6 @@ class Event:
 
     def synchronize(self) -> None:
         pass
-
-
-def stream(s: Stream | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- fused kernels
@@ -153,14 +132,14 @@ def fused_sdpa(
         causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
         mask = causal if mask is None else _combine(mask, causal)
     enable_gqa = key.shape[-3] != query.shape[-3]
-    if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and q_len > SDPA_TILE:
+    if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and q_len > _SDPA_TILE:
         return _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
 
 
-SDPA_TILE = 64  # query rows per tile when skipping masked-out keys
+_SDPA_TILE = 64  # query rows per tile when skipping masked-out keys
 
 
 def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> torch.Tensor:
@@ -174,16 +153,16 @@ def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> to
     batch, q_len, kv_len = query.shape[0], query.shape[-2], key.shape[-2]
     mask = mask.expand(batch, mask.shape[1], q_len, kv_len)
     # Which keys each tile may see: [batch, tiles, kv_len], one reduction for all tiles.
-    tiles = -(-q_len // SDPA_TILE)
+    tiles = -(-q_len // _SDPA_TILE)
     visible = (mask[:, 0] if mask.shape[1] == 1 else mask.any(dim=1)).view(torch.uint8)
-    if q_len % SDPA_TILE:
-        visible = F.pad(visible, (0, 0, 0, tiles * SDPA_TILE - q_len))
+    if q_len % _SDPA_TILE:
+        visible = F.pad(visible, (0, 0, 0, tiles * _SDPA_TILE - q_len))
     # amax over uint8 is a vectorized reduction; `any` over a middle dimension is not.
-    visible = visible.view(batch, tiles, SDPA_TILE, kv_len).amax(dim=2)
+    visible = visible.view(batch, tiles, _SDPA_TILE, kv_len).amax(dim=2)
     out = torch.empty_like(query)
     for b in range(batch):
         for t in range(tiles):
-            rows = slice(t * SDPA_TILE, (t + 1) * SDPA_TILE)
+            rows = slice(t * _SDPA_TILE, (t + 1) * _SDPA_TILE)
             keys = visible[b, t].nonzero().squeeze(1)
             out[b : b + 1, :, rows] = F.scaled_dot_product_attention(
                 query[b : b + 1, :, rows],
@@ -209,7 +188,10 @@ def _combine(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 ROPE_BLOCKWISE = 0  # RotaryPosEmbeddingMode.BLOCKWISE: rotate the two halves (GPT-NeoX style)
 ROPE_PAIRWISE = 1  # RotaryPosEmbeddingMode.PAIRWISE: rotate adjacent pairs (GPT-J style)
 
-MOE_ACTIVATIONS = ("silu", "gelu")  # activations the mixture_of_experts kernel accepts
+MOE_ACTIVATIONS: tuple[str, ...] = (
+    "silu",
+    "gelu",
+)  # activations the mixture_of_experts kernel accepts
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -1,14 +1,10 @@
 """The Gaudi backend of the seam: the ONLY module in the tree that imports habana_frameworks.
 
-Thin wrappers with the same API as `emulated.py`. Not executed in CI (no Gaudi there); the tests
-marked `gaudi` run these on a Gaudi machine.
+Thin wrappers providing `contract.HpuBackend`, the same API as `emulated.py`. Not executed in CI
+(no Gaudi there); the tests marked `gaudi` run these on a Gaudi machine.
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Callable
-from typing import Any
 
 import habana_frameworks.torch as htorch  # noqa: F401 - registers the hpu device with torch
 import habana_frameworks.torch.core as htcore
@@ -21,10 +17,19 @@ from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 NAME = "gaudi"
 DEVICE_TYPE = "hpu"
 IS_EMULATED = False
+DISPATCH_KEY = "HPU"
+DIST_BACKEND = "hccl"
+COMPILE_BACKEND = "hpu_backend"
+PIN_MEMORY = True
+SHARED_HOST_MEMORY = False
 
 
 def torch_device(index: int = 0) -> torch.device:
     return torch.device("hpu", index)
+
+
+def set_device(device: torch.device) -> None:
+    hthpu.set_device(device)
 
 
 def device_count() -> int:
@@ -52,29 +57,8 @@ def mark_step() -> None:
     htcore.mark_step()
 
 
-class Graph:
-    """HPU graph capture/replay with static input buffers."""
-
-    def __init__(self) -> None:
-        self._graph = hthpu.HPUGraph()
-        self.output: Any = None
-
-    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        with hthpu.graph(self._graph):
-            self.output = fn(*args, **kwargs)
-        return self.output
-
-    def replay(self) -> Any:
-        self._graph.replay()
-        return self.output
-
-
 Stream = hthpu.Stream
 Event = hthpu.Event
-
-
-def stream(s: Any) -> contextlib.AbstractContextManager:
-    return hthpu.stream(s)
 
 
 def fused_sdpa(
@@ -130,7 +114,7 @@ def fused_sdpa(
 ROPE_BLOCKWISE = RotaryPosEmbeddingMode.BLOCKWISE.value
 ROPE_PAIRWISE = RotaryPosEmbeddingMode.PAIRWISE.value
 
-MOE_ACTIVATIONS = ("silu", "gelu")
+MOE_ACTIVATIONS: tuple[str, ...] = ("silu", "gelu")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Which device the HPU platform would run on, decided without importing torch or vllm.
+"""Which device the HPU platform runs on: the one device probe of the tree.
 
-vLLM calls the platform plugin in every process before anything else, so this stays cheap: with no
-Gaudi software installed and no emulation asked for, it imports nothing heavy.
+Decided without importing torch or vllm: vLLM calls the platform plugin in every process before
+anything else, so with no Gaudi software installed and no emulation asked for this imports nothing
+heavy. The seam's `backend()` and the platform plugin's `register()` both ask here.
 """
 
 from __future__ import annotations
@@ -23,15 +24,26 @@ class DeviceProbe:
         return self.kind != "none"
 
 
+def gaudi_software_installed() -> bool:
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def _gaudi_device_count() -> tuple[int, str]:
+    """(number of Gaudi devices, how that was found). Only called when habana_frameworks exists."""
+    try:
+        # gaudi.py is the one module that imports habana_frameworks (and torch with it, which is
+        # fine on a Gaudi software stack).
+        from vllm_gaudi_platform.seam import gaudi
+    except Exception as exc:
+        return 0, f"habana_frameworks failed to import: {exc}"
+    return gaudi.device_count(), "habana_frameworks.torch.hpu.device_count()"
+
+
 def probe_device() -> DeviceProbe:
     """Decide the device. Raises EnvError for a bad VLLM_HPU_EMULATION value."""
     emulation = envs.emulation_mode()
-    if importlib.util.find_spec("habana_frameworks") is not None:
-        # Only the seam imports habana_frameworks; it also pulls in torch, which is fine here
-        # because this is a Gaudi software stack.
-        from vllm_gaudi_platform.seam import gaudi_device_count
-
-        count, why = gaudi_device_count()
+    if gaudi_software_installed():
+        count, why = _gaudi_device_count()
         if count > 0:
             return DeviceProbe("gaudi", count, f"{count} Gaudi device(s) found ({why})")
         if emulation is None:

@@ -1,0 +1,109 @@
+"""The seam's contract: what every backend (`gaudi.py`, `emulated.py`) provides, typed.
+
+`HpuBackend` is a Protocol that both backend MODULES satisfy: the type checker verifies it (see
+the assignments under TYPE_CHECKING at the bottom), and `tests/platform/test_seam_contract.py`
+compares the two modules' public signatures (gaudi.py parsed, never imported, so the check runs
+without a Gaudi) with each other and with this Protocol. A kernel added to one backend and
+forgotten in the other, or left out of this Protocol, fails CI.
+
+Facts the platform used to infer from `DEVICE_TYPE == "hpu"` are stated here by each backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class HpuBackend(Protocol):
+    """The device API and fused kernels of one Gaudi, real or emulated on the CPU."""
+
+    # ------------------------------------------------------------------ facts
+    NAME: str  # how logs and doctor name the backend ("gaudi", "emulated on cpu")
+    DEVICE_TYPE: str  # torch device type of the tensors ("hpu", or "cpu" in emulation)
+    IS_EMULATED: bool
+    DISPATCH_KEY: str  # torch dispatch key of the device ("HPU" / "CPU")
+    DIST_BACKEND: str  # torch.distributed backend between devices ("hccl" / "gloo")
+    COMPILE_BACKEND: str  # torch.compile backend for vLLM's simple compile ("hpu_backend")
+    PIN_MEMORY: bool  # whether pinned host buffers help host-to-device copies
+    SHARED_HOST_MEMORY: bool  # host and device tensors are the same memory (no copy needed)
+    ROPE_BLOCKWISE: int  # apply_rotary_pos_emb mode: rotate halves (GPT-NeoX style)
+    ROPE_PAIRWISE: int  # apply_rotary_pos_emb mode: rotate adjacent pairs (GPT-J style)
+    MOE_ACTIVATIONS: tuple[str, ...]  # activations mixture_of_experts accepts
+
+    # Classes standing in for torch.Event / torch.cuda.Stream while vLLM's runner constructor
+    # builds its streams and events: Stream() with synchronize() and wait_stream(other);
+    # Event() with record(stream=None) and synchronize().
+    @property
+    def Stream(self) -> type: ...
+
+    @property
+    def Event(self) -> type: ...
+
+    # ------------------------------------------------------------------ device runtime
+    def torch_device(self, index: int = 0) -> torch.device: ...
+
+    def set_device(self, device: torch.device) -> None: ...
+
+    def device_count(self) -> int: ...
+
+    def device_name(self, index: int = 0) -> str: ...
+
+    def mem_get_info(self) -> tuple[int, int]: ...
+
+    def memory_allocated(self) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def mark_step(self) -> None: ...
+
+    # ------------------------------------------------------------------ fused kernels
+    def fused_sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        softmax_mode: str = "None",
+        recompute_mode: bool | None = None,
+        valid_sequence_lengths: torch.Tensor | None = None,
+        padding_side: str = "left",
+    ) -> torch.Tensor: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor: ...
+
+    def apply_rotary_pos_emb(
+        self,
+        p: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        offset: int = 0,
+        mode: int = 0,
+    ) -> torch.Tensor: ...
+
+    def mixture_of_experts(
+        self,
+        hidden_states: torch.Tensor,
+        expert_routing_table: torch.Tensor,
+        router_weights: torch.Tensor,
+        w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        permuted_weights: bool,
+        activation: str,
+        experts_min: int,
+        experts_max: int,
+    ) -> torch.Tensor: ...
+
+
+if TYPE_CHECKING:
+    # The type checker proves both backend modules satisfy the Protocol.
+    from vllm_gaudi_platform.seam import emulated, gaudi
+
+    _emulated_backend: HpuBackend = emulated
+    _gaudi_backend: HpuBackend = gaudi

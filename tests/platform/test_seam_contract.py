@@ -1,0 +1,169 @@
+"""The seam's two backends provide the same API, and that API is the `HpuBackend` Protocol.
+
+`gaudi.py` cannot be imported without a Gaudi, so both backends are compared as PARSED source:
+every public top-level name (function, class, constant) and every function's parameters (names,
+kinds, default expressions). The Protocol is compared with the emulated backend, which imports on
+any machine. A kernel added to one backend and forgotten in the other fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from vllm_gaudi_platform.seam import contract
+
+SEAM = Path(contract.__file__).parent
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # "positional", "vararg", "keyword-only", "varkw"
+    default: str | None  # the default's source text, None when there is none
+
+
+def _params(fn: ast.FunctionDef) -> tuple[Param, ...]:
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    defaults: list[ast.expr | None] = [None] * (len(positional) - len(a.defaults))
+    defaults += list(a.defaults)
+    out = [
+        Param(p.arg, "positional", None if d is None else ast.unparse(d))
+        for p, d in zip(positional, defaults)
+    ]
+    if a.vararg:
+        out.append(Param(a.vararg.arg, "vararg", None))
+    out += [
+        Param(p.arg, "keyword-only", None if d is None else ast.unparse(d))
+        for p, d in zip(a.kwonlyargs, a.kw_defaults)
+    ]
+    if a.kwarg:
+        out.append(Param(a.kwarg.arg, "varkw", None))
+    return tuple(out)
+
+
+def public_api(source: str) -> dict[str, tuple[Param, ...] | str]:
+    """Public top-level names of a module's source: functions map to their parameters, classes
+    and constants to "class" / "value"."""
+    api: dict[str, tuple[Param, ...] | str] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            api[node.name] = _params(node)
+        elif isinstance(node, ast.ClassDef):
+            api[node.name] = "class"
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name):
+                    api[target.id] = "value"
+    return {name: kind for name, kind in api.items() if not name.startswith("_")}
+
+
+def differences(a: dict, b: dict, a_name: str, b_name: str) -> list[str]:
+    """Human-readable differences between two public APIs (empty when they agree)."""
+    problems = [f"{n} is in {a_name} but not in {b_name}" for n in sorted(a.keys() - b.keys())]
+    problems += [f"{n} is in {b_name} but not in {a_name}" for n in sorted(b.keys() - a.keys())]
+    for name in sorted(a.keys() & b.keys()):
+        x, y = a[name], b[name]
+        if isinstance(x, tuple) != isinstance(y, tuple):
+            problems.append(f"{name} is a function in one backend only")
+        elif isinstance(x, tuple) and x != y:
+            problems.append(f"{name} signatures differ:\n  {a_name}: {x}\n  {b_name}: {y}")
+    return problems
+
+
+def _source(name: str) -> str:
+    return (SEAM / f"{name}.py").read_text()
+
+
+def protocol_members() -> dict[str, inspect.Signature | None]:
+    """Members of HpuBackend: methods with their signature (self dropped), attributes as None."""
+    members: dict[str, inspect.Signature | None] = {
+        name: None for name in contract.HpuBackend.__annotations__
+    }
+    for name, value in vars(contract.HpuBackend).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, property):
+            members[name] = None
+        elif inspect.isfunction(value):
+            sig = inspect.signature(value)
+            members[name] = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return members
+
+
+def test_gaudi_and_emulated_backends_have_the_same_public_api():
+    problems = differences(
+        public_api(_source("gaudi")), public_api(_source("emulated")), "gaudi.py", "emulated.py"
+    )
+    assert not problems, "\n".join(problems)
+
+
+def test_a_kernel_added_to_one_backend_only_is_reported():
+    extra = "\n\ndef new_kernel(x, scale=None):\n    return x\n"
+    problems = differences(
+        public_api(_source("gaudi") + extra),
+        public_api(_source("emulated")),
+        "gaudi.py",
+        "emulated.py",
+    )
+    assert problems == ["new_kernel is in gaudi.py but not in emulated.py"]
+
+
+def test_a_changed_signature_is_reported():
+    emulated_src = _source("emulated").replace(
+        "def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float)",
+        "def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float)",
+    )
+    problems = differences(
+        public_api(_source("gaudi")), public_api(emulated_src), "gaudi.py", "emulated.py"
+    )
+    assert len(problems) == 1 and problems[0].startswith("rms_norm signatures differ")
+
+
+def test_the_protocol_lists_exactly_the_backends_public_api():
+    backend_names = set(public_api(_source("emulated")))
+    assert set(protocol_members()) == backend_names
+
+
+@pytest.mark.parametrize("name", [n for n, s in protocol_members().items() if s is not None])
+def test_protocol_signatures_match_the_emulated_backend(emulated, name):
+    expected = protocol_members()[name]
+    actual = inspect.signature(getattr(emulated, name))
+    assert [(p.name, p.kind) for p in actual.parameters.values()] == [
+        (p.name, p.kind) for p in expected.parameters.values()
+    ]
+    assert [p.default is inspect.Parameter.empty for p in actual.parameters.values()] == [
+        p.default is inspect.Parameter.empty for p in expected.parameters.values()
+    ]
+
+
+def test_backend_returns_the_emulated_module_under_emulation(emulated):
+    from vllm_gaudi_platform import seam
+
+    assert seam.backend() is emulated
+    assert emulated.SHARED_HOST_MEMORY and not emulated.PIN_MEMORY
+
+
+def test_the_device_probe_does_not_import_the_seam_package_functions():
+    # The probe used to import seam/__init__ while seam/__init__ imported the probe: one place now.
+    probe_src = _source("probe")
+    tree = ast.parse(probe_src)
+    imported = {
+        node.module
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+    }
+    names = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "vllm_gaudi_platform.seam"
+        for alias in node.names
+    }
+    assert "vllm_gaudi_platform.detection" not in imported
+    assert names <= {"gaudi"}, f"probe.py imports {names} from the seam package"
