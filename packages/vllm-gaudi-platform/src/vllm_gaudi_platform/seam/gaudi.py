@@ -74,26 +74,18 @@ def fused_sdpa(
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: str = "left",
 ) -> torch.Tensor:
-    if key.shape[-3] != query.shape[-3]:
-        # Gaudi's kernel takes grouped-query attention as a 5-D query:
-        # [batch, kv_heads, q_per_kv, q_len, head_dim].
+    grouped = key.shape[-3] != query.shape[-3]
+    if grouped:
+        # Gaudi's kernel takes grouped-query attention as a 5-D query,
+        # [batch, kv_heads, q_per_kv, q_len, head_dim], against [batch, kv_heads, 1, kv_len, d]
+        # keys/values; a 4-D mask gets the same extra axis so its batch axis stays aligned.
         b, hq, s, d = query.shape
         hkv = key.shape[-3]
-        out = FusedSDPA.apply(
-            query.view(b, hkv, hq // hkv, s, d),
-            key.unsqueeze(2),
-            value.unsqueeze(2),
-            attn_mask,
-            dropout_p,
-            is_causal,
-            scale,
-            softmax_mode,
-            recompute_mode,
-            valid_sequence_lengths,
-            padding_side,
-        )
-        return out.reshape(b, hq, s, d)
-    return FusedSDPA.apply(
+        query = query.view(b, hkv, hq // hkv, s, d)
+        key, value = key.unsqueeze(2), value.unsqueeze(2)
+        if attn_mask is not None and attn_mask.dim() == 4:
+            attn_mask = attn_mask.unsqueeze(2)
+    out = FusedSDPA.apply(
         query,
         key,
         value,
@@ -106,6 +98,7 @@ def fused_sdpa(
         valid_sequence_lengths,
         padding_side,
     )
+    return out.reshape(b, hq, s, d) if grouped else out
 
 
 # ----------------------------------------------------------------------------- op-family kernels
