@@ -33,13 +33,15 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.platform import HPU_KV_CACHE_DTYPES
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 
 class HPUAttentionBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float32, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "bfloat16", "float16", "float32"]
+    # fp8_inc (Gaudi's name), fp8 and fp8_e4m3: the cache holds FP8 E4M3 with per-layer k/v scales.
+    supported_kv_cache_dtypes: ClassVar[list] = list(HPU_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -308,6 +310,8 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # FP8 cache: writes quantize with the layer's k/v scale, reads dequantize with it.
+        self.fp8_cache = kv_cache_dtype.startswith("fp8")
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.seam = seam_backend()
 
@@ -340,7 +344,10 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         flat = cache.reshape(num_blocks * block_size, hk, 2 * d)
         if self.kv_sharing_target_layer_name is None and md.num_actual_tokens:
             n = md.num_actual_tokens
-            flat[md.slot_mapping[:n]] = torch.cat([k[:n], v[:n]], dim=-1).to(flat.dtype)
+            if self.fp8_cache:
+                flat[md.slot_mapping[:n]] = self._quantize_kv(layer, k[:n], v[:n], flat.dtype)
+            else:
+                flat[md.slot_mapping[:n]] = torch.cat([k[:n], v[:n]], dim=-1).to(flat.dtype)
         blocks_view = flat.view(num_blocks, block_size, hk, 2 * d)
 
         # Reorder tokens into the bucketed layout (a permutation: static shapes, no data lost).
@@ -358,18 +365,49 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
             p = layout.prefill
             n_cells = p.rows * p.query_bucket
             out_cells[:n_cells] = self._prefill(
-                q_cells[:n_cells], k_cells[:n_cells], v_cells[:n_cells], blocks_view, block_size, md
+                q_cells[:n_cells],
+                k_cells[:n_cells],
+                v_cells[:n_cells],
+                blocks_view,
+                block_size,
+                md,
+                layer,
             )
         if layout.decode is not None:
             bsz = layout.decode.batch_bucket
             out_cells[n_cells : n_cells + bsz] = self._decode(
-                q_cells[n_cells : n_cells + bsz], blocks_view, block_size, md
+                q_cells[n_cells : n_cells + bsz], blocks_view, block_size, md, layer
             )
         if not md.identity_layout:
             output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
         return output
 
-    def _prefill(self, q, k_new, v_new, blocks_view, block_size, md):
+    # ------------------------------------------------------------------ FP8 KV cache
+    @staticmethod
+    def _kv_scales(layer: AttentionLayer | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's dequantization scales (stored = value / scale); 1.0 without a layer."""
+        if layer is None:
+            one = torch.ones((), dtype=torch.float32)
+            return one, one
+        return layer._k_scale, layer._v_scale
+
+    def _quantize_kv(self, layer, k, v, cache_dtype: torch.dtype) -> torch.Tensor:
+        """New keys and values as one FP8 cache row each: keys then values, each scaled."""
+        k_scale, v_scale = self._kv_scales(layer)
+        # The kernel's scale is a multiplier: pass the inverse of the dequantization scale.
+        k8, _ = self.seam.cast_to_fp8_v2(k, 1.0 / k_scale, False, False, cache_dtype)
+        v8, _ = self.seam.cast_to_fp8_v2(v, 1.0 / v_scale, False, False, cache_dtype)
+        return torch.cat([k8, v8], dim=-1)
+
+    def _dequantize_kv(self, layer, kv, out_dtype: torch.dtype):
+        """Cached FP8 rows [..., 2d] back to keys and values in `out_dtype`."""
+        d = self.head_size
+        k_scale, v_scale = self._kv_scales(layer)
+        k = self.seam.cast_from_fp8(kv[..., :d], k_scale, out_dtype)
+        v = self.seam.cast_from_fp8(kv[..., d:], v_scale, out_dtype)
+        return k, v
+
+    def _prefill(self, q, k_new, v_new, blocks_view, block_size, md, layer=None):
         p = md.layout.prefill
         rows, qb, cb = p.rows, p.query_bucket, p.ctx_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
@@ -379,9 +417,14 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if cb:
             # One gather of whole blocks (keys and values together), then split.
             ctx = blocks_view.index_select(0, md.prefill_ctx_blocks.view(-1))
-            ctx = ctx.view(rows, cb * block_size, hk, 2 * d).to(q.dtype)
-            k = torch.cat([ctx[..., :d], k], dim=1)
-            v = torch.cat([ctx[..., d:], v], dim=1)
+            ctx = ctx.view(rows, cb * block_size, hk, 2 * d)
+            if self.fp8_cache:
+                k_ctx, v_ctx = self._dequantize_kv(layer, ctx, q.dtype)
+            else:
+                ctx = ctx.to(q.dtype)
+                k_ctx, v_ctx = ctx[..., :d], ctx[..., d:]
+            k = torch.cat([k_ctx, k], dim=1)
+            v = torch.cat([v_ctx, v], dim=1)
         out = self.seam.fused_sdpa(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -391,7 +434,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         )
         return out.transpose(1, 2).reshape(rows * qb, h, d)
 
-    def _decode(self, q, blocks_view, block_size, md):
+    def _decode(self, q, blocks_view, block_size, md, layer=None):
         bsz = md.layout.decode.batch_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
         g = h // hk
@@ -400,7 +443,11 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
         kv = _workspace("decode_kv", (nb, *blocks_view.shape[1:]), blocks_view.dtype, q.device)
         torch.index_select(blocks_view, 0, blocks, out=kv)
-        if kv.dtype != torch.float32:
+        if self.fp8_cache:
+            fkv = _workspace("decode_kv_dequant", kv.shape, torch.float32, q.device)
+            fkv[..., :d], fkv[..., d:] = self._dequantize_kv(layer, kv, torch.float32)
+            kv = fkv
+        elif kv.dtype != torch.float32:
             kv = kv.float()
         # Each block gets its sequence's query (pre-scaled); padding blocks (group == bsz) get an
         # extra all-zero row.

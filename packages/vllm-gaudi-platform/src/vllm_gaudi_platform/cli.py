@@ -71,6 +71,65 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_demo)
 
 
+CALIBRATE_MISSING = (
+    "vllm-gaudi calibrate needs the vllm-gaudi-quant wheel with neural-compressor (INC FP8): "
+    "pip install 'vllm-gaudi-quant[inc]'"
+)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    # Found without importing: the platform wheel never imports the quant wheel unless present.
+    if (
+        importlib.util.find_spec("vllm_gaudi_quant") is None
+        or importlib.util.find_spec("neural_compressor") is None
+    ):
+        print(f"error: {CALIBRATE_MISSING}", file=sys.stderr)
+        return 2
+    calibrate = importlib.import_module("vllm_gaudi_quant.calibrate")
+    try:
+        path = calibrate.run(
+            args.model,
+            args.dataset,
+            args.out,
+            num_samples=args.num_samples,
+            max_model_len=args.max_model_len,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
+    except calibrate.ERRORS as exc:  # bad dataset, output directory or QUANT_CONFIG: one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"Calibration statistics and QUANTIZE config written: {path}")
+    print(f"Serve in FP8 with: QUANT_CONFIG={path} vllm serve {args.model} --quantization inc")
+    return 0
+
+
+def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure a model for INC FP8 and write a ready QUANTIZE config",
+        description=(
+            "Runs the INC FP8 MEASURE step through vLLM on the HPU platform over a dataset "
+            "(JSON Lines with a 'text' or 'prompt' per line, or plain text with one sample per "
+            "line), then writes the statistics and DIR/quant_config.json, to serve with "
+            "QUANT_CONFIG=DIR/quant_config.json vllm serve MODEL --quantization inc. Needs "
+            "vllm-gaudi-quant[inc]."
+        ),
+    )
+    parser.add_argument("model", help="model path or name")
+    parser.add_argument("--dataset", required=True, help="calibration samples (JSONL or text)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument(
+        "--num-samples", type=int, default=None, help="use the first N samples (default: all)"
+    )
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest sample, tokens")
+    parser.add_argument("--dtype", default="auto", help="model dtype (default: the model's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.set_defaults(run=_calibrate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-gaudi", description="Intel Gaudi (HPU) plugins for vLLM."
@@ -78,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_doctor(subparsers)
     _add_demo(subparsers)
+    _add_calibrate(subparsers)
     return parser
 
 

@@ -77,6 +77,14 @@ VLLM_HPU_OPS_STATS_FILE = _declare(
     "A JSON file each process adds its per-op-family forward_oot counts to at exit (tests).",
 )
 
+QUANT_CONFIG = _declare(
+    "QUANT_CONFIG",
+    None,
+    "JSON file of INC FP8 settings for --quantization inc (vllm-gaudi-quant[inc]): mode MEASURE "
+    "(collect calibration statistics, written at shutdown) or QUANTIZE (run in FP8 from them). "
+    "`vllm-gaudi calibrate` writes a ready one.",
+)
+
 
 def get_raw(name: str) -> str | None:
     value = os.environ.get(name)

@@ -140,6 +140,8 @@ class HPUModelRunner(GPUModelRunner):
         for kv in self.kv_caches:
             if isinstance(kv, torch.Tensor) and kv.data_ptr() not in seen:
                 seen.add(kv.data_ptr())
+                if kv.element_size() == 1:  # FP8 cache: torch has no FP8 index_fill on the CPU
+                    kv = kv.view(torch.uint8)  # all-zero bits are 0.0 in FP8 too
                 kv.index_fill_(0, index, 0)
 
     def initialize_kv_cache(self, kv_cache_config, *args: Any, **kwargs: Any) -> None:
@@ -163,11 +165,22 @@ class HPUModelRunner(GPUModelRunner):
             raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
         logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
         self.model = get_model(vllm_config=self.vllm_config)
+        # A quantization method may transform the loaded model before warmup (INC FP8 patches its
+        # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
+        after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)
+        if after_load is not None:
+            self.model = after_load(self.model)
         if hasattr(self, "drafter"):
             self.drafter.load_model(self.model)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
+
+    def finalize_calibration(self) -> None:
+        """Let the quantization method write what it measured (INC MEASURE mode); idempotent."""
+        finalize = getattr(self.vllm_config.quant_config, "hpu_finalize_calibration", None)
+        if finalize is not None and getattr(self, "model", None) is not None:
+            finalize(self.model)
 
     # ------------------------------------------------------------------ bucketed execution
     def execute_model(self, scheduler_output, intermediate_tensors=None):

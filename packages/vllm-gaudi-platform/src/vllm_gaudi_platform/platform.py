@@ -32,6 +32,8 @@ def _register_attention_backend() -> None:
 WORKER_CLS = "vllm_gaudi_platform.worker.HPUWorker"
 COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
 DEFAULT_BLOCK_SIZE = 128
+# The attention backend's KV cache dtypes (attention.HPUAttentionBackend.supported_kv_cache_dtypes).
+HPU_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_inc", "fp8", "fp8_e4m3")
 
 _register_attention_backend()
 
@@ -171,17 +173,37 @@ class HpuPlatform(Platform):
         return True
 
     @classmethod
+    def verify_quantization(cls, quant: str) -> None:
+        super().verify_quantization(quant)
+        # A method whose vllm-gaudi-quant entry point was skipped in this process (a missing
+        # optional package, ...): say why now, rather than let vLLM's own method of that name
+        # fail later with a message about checkpoint files.
+        from vllm_gaudi_platform.plugins import OUTCOMES
+
+        entry_point = "hpu_quant_" + quant.replace("-", "_")
+        outcome = OUTCOMES.get(entry_point)
+        if outcome is not None and outcome != "registered":
+            raise ValueError(
+                f"--quantization {quant} is not available on HPU: {entry_point} {outcome}"
+            )
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:
         from vllm.config import CompilationMode, CUDAGraphMode
 
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        if cache_config.cache_dtype == "fp8_inc":
+        if cache_config.cache_dtype not in HPU_KV_CACHE_DTYPES:
             raise ValueError(
-                "kv_cache_dtype='fp8_inc' needs the vllm-gaudi-quant INC FP8 support, which is not "
-                "available yet; use kv_cache_dtype='auto'."
+                f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported on HPU; use one of "
+                f"{', '.join(HPU_KV_CACHE_DTYPES)} (fp8_inc, fp8 and fp8_e4m3 store the KV cache "
+                "in FP8 E4M3 with per-layer scales)."
             )
+        # A quantization method may refuse settings it cannot run, before any engine starts.
+        check_quant = getattr(vllm_config.quant_config, "hpu_check_vllm_config", None)
+        if check_quant is not None:
+            check_quant(vllm_config)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":
@@ -218,6 +240,15 @@ class HpuPlatform(Platform):
         _check_bucketing(vllm_config)
 
         model_config = vllm_config.model_config
+        if model_config is not None and model_config.dtype == torch.float16:
+            # Gaudi computes in bfloat16 natively; float16 checkpoints run in bfloat16 (same
+            # exponent range as float32, so no overflow where float16 would have been exact).
+            logger.warning(
+                "float16 is not a native Gaudi type: running %s in bfloat16. Pass "
+                "dtype='bfloat16' to silence this, or dtype='float32' for full precision.",
+                model_config.model,
+            )
+            model_config.dtype = torch.bfloat16
         if model_config is not None and model_config.use_mla:
             raise NotImplementedError("MLA models are not supported on HPU by vllm-gaudi yet.")
 

@@ -165,3 +165,14 @@ class HPUWorker(Worker):
 
     def check_health(self) -> None:
         return None
+
+    # ------------------------------------------------------------------ calibration
+    def finalize_calibration(self) -> None:
+        """Write calibration statistics now (INC MEASURE mode); also done at shutdown."""
+        self.model_runner.finalize_calibration()
+
+    def shutdown(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.finalize_calibration()
+        super().shutdown()

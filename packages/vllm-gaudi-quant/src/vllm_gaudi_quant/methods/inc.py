@@ -1,0 +1,528 @@
+"""INC FP8 on the HPU platform: Intel Neural Compressor's measure-then-quantize flow.
+
+`--quantization inc` with `QUANT_CONFIG=<json>` (the variable Intel's Gaudi stack uses) runs
+neural-compressor's FP8 toolkit (`neural_compressor.torch.algorithms.fp8_quant`) on the model the
+HPU runner has just loaded, before warmup:
+
+- MEASURE mode: every linear layer is wrapped by an observer that records the largest absolute
+  input value seen; the attention layers' keys and values are measured too (for an FP8 KV
+  cache). The statistics are written when the engine shuts down (`finalize_calibration`), next to
+  `dump_stats_path`.
+- QUANTIZE mode: the linear weights are stored in FP8 and inputs are quantized with scales derived
+  from those statistics; with `kv_cache_dtype=fp8_inc` the attention layers' k/v scales come from
+  the measured keys and values.
+
+Where it runs:
+
+- On Gaudi, neural-compressor's HPU path patches vLLM's layers itself and uses Gaudi's FP8 kernels.
+  Use hardware-aligned scale methods there (`maxabs_hw`, the default, or `maxabs_pow2`,
+  `act_maxabs_hw_weights_pcs_maxabs_pow2`): they round scales to values the FP8 matmul applies
+  exactly (powers of two on Gaudi 2, the hardware's scale set on Gaudi 3).
+- In CPU emulation, neural-compressor's CPU path runs: it only accepts quantize-dequantize mode
+  (`"use_qdq": "True"`) with arbitrary scales (`maxabs_arbitrary`, `unit_scale`), and it only
+  patches modules whose class is named Linear/Conv2d/EmbeddingBag. vLLM's parallel linear classes
+  are therefore registered in its patched-module table here (`register_vllm_linears`).
+
+Checks happen when vLLM builds its config (`HpuIncConfig()` reads and validates `QUANT_CONFIG`,
+`maybe_update_config` compares the model the statistics were made for, `hpu_check_vllm_config`
+refuses MEASURE with data parallelism), so a bad setting stops startup before any engine process
+starts, with a message that names the file or key and the fix.
+
+A relative `dump_stats_path` is read relative to the directory of the `QUANT_CONFIG` file (not the
+current directory, as neural-compressor alone would), so a calibration directory can be moved.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+
+from vllm_gaudi_platform import envs
+
+logger = init_logger(f"vllm.{__name__}")
+
+INSTALL_HINT = "pip install 'vllm-gaudi-quant[inc]'"
+MODES = ("MEASURE", "QUANTIZE")
+# Scale methods neural-compressor's CPU path computes (no hardware-aligned rounding on the CPU).
+CPU_SCALE_METHODS = ("maxabs_arbitrary", "unit_scale")
+# Scale methods that need no statistics: QUANTIZE with them reads no measurement files.
+STATLESS_SCALE_METHODS = ("unit_scale",)
+# Our own record inside QUANT_CONFIG (model identity); removed before neural-compressor reads it.
+RECORD_KEY = "vllm_gaudi"
+# Per-rank file written beside neural-compressor's statistics: model identity + K/V maxima.
+SIDECAR_SUFFIX = "_vllm_gaudi"
+_TRUE = ("true", "1", "yes")
+
+
+class IncConfigError(RuntimeError):
+    """QUANT_CONFIG (or a setting that goes with it) cannot be used; the message says why.
+
+    Not a ValueError on purpose: raised while vLLM builds its (pydantic) config, a ValueError would
+    come out wrapped in a pydantic ValidationError; this one reaches the operator as is.
+    """
+
+
+def _where(path: str) -> str:
+    return f"{envs.QUANT_CONFIG}={path}"
+
+
+@dataclass(frozen=True)
+class IncSettings:
+    """QUANT_CONFIG, read and checked."""
+
+    path: str
+    mode: str  # MEASURE or QUANTIZE
+    inc_config: dict[str, Any]  # what neural-compressor reads: our record removed, paths resolved
+    stats_prefix: str  # dump_stats_path, absolute
+    record: dict[str, Any] | None = field(default=None)  # model the config/statistics were made for
+
+    @property
+    def measuring(self) -> bool:
+        return self.mode == "MEASURE"
+
+
+def _is_true(value: Any) -> bool:
+    return str(value).strip().lower() in _TRUE
+
+
+def read_settings(path: str | None, *, emulated: bool) -> IncSettings:
+    """Read and check the QUANT_CONFIG file `path`; raise IncConfigError naming what is wrong."""
+    if not path:
+        raise IncConfigError(
+            f"{envs.QUANT_CONFIG} is not set: --quantization inc on HPU reads its FP8 settings "
+            f"from the JSON file {envs.QUANT_CONFIG} names. Make one with `vllm-gaudi calibrate "
+            f"MODEL --dataset FILE --out DIR`, then set {envs.QUANT_CONFIG}=DIR/quant_config.json."
+        )
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise IncConfigError(
+            f"{_where(path)}: no such file. Point {envs.QUANT_CONFIG} at an INC JSON config (for "
+            "example DIR/quant_config.json written by `vllm-gaudi calibrate`)."
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IncConfigError(f"{_where(path)} cannot be read: {exc}") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise IncConfigError(
+            f"{_where(path)} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})."
+        ) from None
+    if not isinstance(raw, dict):
+        raise IncConfigError(f"{_where(path)} must hold a JSON object, not {type(raw).__name__}.")
+
+    config = dict(raw)
+    record = config.pop(RECORD_KEY, None)
+    mode = str(config.get("mode", "")).upper()
+    if mode not in MODES:
+        raise IncConfigError(
+            f'{_where(path)}: "mode" is {config.get("mode")!r}; use "MEASURE" (collect '
+            'calibration statistics) or "QUANTIZE" (run in FP8 from them).'
+        )
+    config["mode"] = mode
+    scale_method = config.get("scale_method", "maxabs_hw")
+    if emulated:
+        _check_cpu_modes(path, config, mode, scale_method)
+        if mode == "MEASURE" and "scale_method" not in config:
+            # Measuring computes no scales, but neural-compressor validates the method anyway and
+            # its default (maxabs_hw) is Gaudi-only.
+            config["scale_method"] = "maxabs_arbitrary"
+
+    stats = config.get("dump_stats_path", "stats")
+    if not isinstance(stats, str) or not stats:
+        raise IncConfigError(f'{_where(path)}: "dump_stats_path" must be a path prefix string.')
+    if not os.path.isabs(stats):
+        stats = os.path.join(os.path.dirname(path), stats)
+    stats = os.path.normpath(stats)
+    config["dump_stats_path"] = stats
+    observer = config.get("observer", "maxabs")
+
+    if mode == "MEASURE":
+        try:
+            os.makedirs(os.path.dirname(stats), exist_ok=True)
+        except OSError as exc:
+            raise IncConfigError(
+                f'{_where(path)}: cannot create the statistics directory of "dump_stats_path" '
+                f"({os.path.dirname(stats)}): {exc}"
+            ) from None
+        if not os.access(os.path.dirname(stats), os.W_OK):
+            raise IncConfigError(
+                f'{_where(path)}: the statistics directory of "dump_stats_path" '
+                f"({os.path.dirname(stats)}) is not writable."
+            )
+    elif str(scale_method).lower() not in STATLESS_SCALE_METHODS and not glob.glob(
+        f"{stats}_hooks_{observer}*.json"
+    ):
+        raise IncConfigError(
+            f"{_where(path)} is a QUANTIZE config but there are no calibration statistics at "
+            f'"dump_stats_path" ({stats}_hooks_{observer}*.json). Run the MEASURE step first: '
+            "`vllm-gaudi calibrate MODEL --dataset FILE --out DIR`."
+        )
+
+    if record is None:
+        record = _read_sidecar(stats)
+    if record is not None and not isinstance(record, dict):
+        raise IncConfigError(f'{_where(path)}: "{RECORD_KEY}" must be a JSON object.')
+    return IncSettings(path=path, mode=mode, inc_config=config, stats_prefix=stats, record=record)
+
+
+def _check_cpu_modes(path: str, config: dict[str, Any], mode: str, scale_method: Any) -> None:
+    """Neural-compressor's CPU path runs a subset of INC's modes: say which key to change."""
+    where = f"{_where(path)} (CPU emulation)"
+    if not _is_true(config.get("use_qdq", False)):
+        raise IncConfigError(
+            f'{where}: "use_qdq" is {config.get("use_qdq", False)!r}; neural-compressor\'s CPU '
+            'path only runs quantize-dequantize mode: set "use_qdq": "True".'
+        )
+    if _is_true(config.get("dynamic_quantization", False)):
+        raise IncConfigError(
+            f'{where}: "dynamic_quantization" is not supported on the CPU; set it to "False" '
+            "(static scales from a MEASURE run)."
+        )
+    if _is_true(config.get("fake_quant", False)):
+        raise IncConfigError(
+            f'{where}: "fake_quant" is not supported here; set it to "False" and "use_qdq" to '
+            '"True".'
+        )
+    if not isinstance(scale_method, str):
+        raise IncConfigError(
+            f'{where}: "scale_method" must be one of {", ".join(CPU_SCALE_METHODS)} on the CPU '
+            "(per-layer scale-method dictionaries are Gaudi-only here)."
+        )
+    if scale_method.lower() not in CPU_SCALE_METHODS and (
+        mode == "QUANTIZE" or "scale_method" in config
+    ):
+        raise IncConfigError(
+            f'{where}: "scale_method" is {scale_method!r}, which needs Gaudi\'s hardware-aligned '
+            f"scales; on the CPU use one of: {', '.join(CPU_SCALE_METHODS)}."
+        )
+
+
+def sidecar_path(stats_prefix: str, rank: int, world_size: int) -> str:
+    return f"{stats_prefix}{SIDECAR_SUFFIX}_{rank}_{world_size}.json"
+
+
+def _read_sidecar(stats_prefix: str, rank: int | None = None) -> dict[str, Any] | None:
+    pattern = f"{stats_prefix}{SIDECAR_SUFFIX}_{'*' if rank is None else rank}_*.json"
+    for candidate in sorted(glob.glob(pattern)):
+        try:
+            with open(candidate, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise IncConfigError(
+                f"Calibration record {candidate} (beside {envs.QUANT_CONFIG}'s statistics) cannot "
+                f"be read: {exc}. Re-run the MEASURE step."
+            ) from None
+    return None
+
+
+_FINGERPRINT_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def model_fingerprint(hf_config: Any) -> dict[str, Any]:
+    """The shape of a model: what calibration statistics are only valid for."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    out: dict[str, Any] = {}
+    for key in _FINGERPRINT_KEYS:
+        value = getattr(text, key, None)
+        if value is None:
+            value = getattr(hf_config, key, None)
+        if isinstance(value, tuple):
+            value = list(value)
+        out[key] = value
+    return out
+
+
+def model_record(model_name: str, hf_config: Any) -> dict[str, Any]:
+    return {"model": model_name, "fingerprint": model_fingerprint(hf_config)}
+
+
+def check_model(settings: IncSettings, model_name: str, hf_config: Any) -> None:
+    """Raise IncConfigError when QUANT_CONFIG's statistics were made for a different model."""
+    record = settings.record
+    if not record or hf_config is None or "fingerprint" not in record:
+        return
+    ours = model_fingerprint(hf_config)
+    theirs = record["fingerprint"]
+    diff = [f"{k}: {theirs.get(k)!r} != {ours.get(k)!r}" for k in ours if theirs.get(k) != ours[k]]
+    if diff:
+        raise IncConfigError(
+            f"{_where(settings.path)} was made for model {record.get('model')!r}, not for "
+            f"{model_name!r} ({'; '.join(diff)}). Calibrate this model: `vllm-gaudi calibrate "
+            f"{model_name} --dataset FILE --out DIR`."
+        )
+
+
+# ---------------------------------------------------------------------------- neural-compressor
+
+
+def require_neural_compressor() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("neural_compressor") is None:
+        raise IncConfigError(
+            "--quantization inc on HPU needs neural-compressor (neural-compressor-pt), which is "
+            f"not installed: {INSTALL_HINT}"
+        )
+
+
+_REGISTERED_LINEARS = False
+
+
+def register_vllm_linears() -> None:
+    """Put vLLM's parallel linear classes in neural-compressor's CPU patched-module table.
+
+    Its CPU path only knows modules named Linear/Conv2d/EmbeddingBag; vLLM's layers return
+    `(output, bias)` and carry tensor-parallel state, so they get neural-compressor's own vLLM-aware
+    wrappers (column-parallel, row-parallel, replicated), typed as plain linear layers so the CPU's
+    linear scale methods apply. Its registration helper takes classes (names fail), and keys by
+    class name. On Gaudi neural-compressor registers these classes itself: nothing to do.
+    """
+    global _REGISTERED_LINEARS
+    if _REGISTERED_LINEARS:
+        return
+    from neural_compressor.torch.algorithms.fp8_quant import register_patched_module
+    from neural_compressor.torch.algorithms.fp8_quant._quant_common import helper_modules
+    from neural_compressor.torch.algorithms.fp8_quant.model_configs import ModuleType
+    from vllm.model_executor.layers import linear
+
+    linear_type = ModuleType(1, ["weight"], 1, False)
+
+    def as_linear(base: type) -> type:
+        # Wrappers outside neural-compressor's own table must describe their type themselves.
+        return type(
+            f"Hpu{base.__name__}",
+            (base,),
+            {
+                "get_type": classmethod(lambda cls: "linear"),
+                "get_module_type": classmethod(lambda cls: linear_type),
+            },
+        )
+
+    column = as_linear(helper_modules.PatchedColumnParallelLinear)
+    row = as_linear(helper_modules.PatchedRowParallelLinear)
+    replicated = as_linear(helper_modules.PatchedReplicatedLinear)
+    table = {
+        linear.ColumnParallelLinear: column,
+        linear.MergedColumnParallelLinear: column,
+        linear.QKVParallelLinear: column,
+        linear.RowParallelLinear: row,
+        linear.ReplicatedLinear: replicated,
+    }
+    for vllm_cls, patched in table.items():
+        register_patched_module(vllm_cls, device_types="cpu")(patched)
+    _REGISTERED_LINEARS = True
+
+
+_HP_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return {
+        getattr(m, "layer_name", name): m
+        for name, m in model.named_modules()
+        if isinstance(m, Attention)
+    }
+
+
+def _rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+class KVObserver:
+    """Largest |key| and |value| each attention layer receives (MEASURE mode)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.amax: dict[str, list[float]] = {}
+        self.handles = [
+            layer.register_forward_pre_hook(self._hook(name))
+            for name, layer in _attention_layers(model).items()
+        ]
+
+    def _hook(self, name: str):
+        def observe(module, args):
+            key, value = args[1], args[2]
+            if key is None or value is None or key.numel() == 0:
+                return
+            seen = self.amax.setdefault(name, [0.0, 0.0])
+            seen[0] = max(seen[0], float(key.detach().abs().max()))
+            seen[1] = max(seen[1], float(value.detach().abs().max()))
+
+        return observe
+
+
+class HpuIncConfig(QuantizationConfig):
+    """`--quantization inc` on the HPU platform: INC FP8 driven by QUANT_CONFIG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        require_neural_compressor()
+        from vllm_gaudi_platform.seam import backend
+
+        self.emulated = bool(backend().IS_EMULATED)
+        self.settings = read_settings(envs.get_raw(envs.QUANT_CONFIG), emulated=self.emulated)
+        self.model_name: str | None = None
+        self.record: dict[str, Any] | None = None
+        self._kv_observer: KVObserver | None = None
+        self._finalized = False
+
+    def __repr__(self) -> str:
+        return f"HpuIncConfig(mode={self.settings.mode}, config={self.settings.path})"
+
+    @classmethod
+    def get_name(cls) -> str:  # type: ignore[override]
+        return "inc"
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # Settings come from QUANT_CONFIG, not from a file in the checkpoint.
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> HpuIncConfig:
+        return cls()
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        # Weights load in high precision; neural-compressor converts them after loading.
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        check_model(self.settings, model_name, hf_config)
+        self.model_name = model_name
+        if hf_config is not None:
+            self.record = model_record(model_name, hf_config)
+
+    # ------------------------------------------------------------ hooks the HPU platform calls
+    def hpu_check_vllm_config(self, vllm_config: Any) -> None:
+        """Refuse combinations this flow cannot run, while vLLM is still building its config."""
+        dp = vllm_config.parallel_config.data_parallel_size
+        if self.settings.measuring and dp > 1:
+            raise IncConfigError(
+                f"{_where(self.settings.path)} is a MEASURE config, and measuring with data "
+                f"parallelism (data_parallel_size={dp}) would make every replica write the same "
+                "statistics files. Calibrate with data_parallel_size=1 (tensor parallelism is "
+                "fine), then serve the QUANTIZE config with any data parallelism."
+            )
+
+    def hpu_after_load_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Patch the loaded model for measurement or FP8 (neural-compressor's prep_model)."""
+        from neural_compressor.torch.algorithms.fp8_quant import prep_model
+        from neural_compressor.torch.algorithms.fp8_quant._core.quantized_func_wrappers import (
+            clear_quantized_func_wrapper_factory,
+            init_quantized_func_wrapper_factory,
+        )
+
+        if self.emulated:
+            register_vllm_linears()
+        config = dict(self.settings.inc_config)
+        dtype = next(model.parameters()).dtype
+        config.setdefault("hp_dtype", _HP_DTYPES.get(dtype, "bf16"))
+        with tempfile.NamedTemporaryFile(
+            "w", suffix=".json", prefix="inc_", delete=False, encoding="utf-8"
+        ) as f:
+            json.dump(config, f)
+        try:
+            init_quantized_func_wrapper_factory()
+            prep_model(model, f.name)
+        finally:
+            clear_quantized_func_wrapper_factory()
+            os.unlink(f.name)
+        if self.settings.measuring:
+            self._kv_observer = KVObserver(model)
+        else:
+            self._load_kv_scales(model)
+        if self.settings.measuring:
+            what = "measuring linear inputs and attention keys/values"
+        elif self.emulated:
+            what = "FP8 weights, activations quantized-dequantized on the CPU"
+        else:
+            what = "FP8 weights and activations"
+        logger.info("INC FP8 %s from %s: %s", self.settings.mode, self.settings.path, what)
+        return model
+
+    def hpu_finalize_calibration(self, model: torch.nn.Module) -> None:
+        """MEASURE: write the statistics (once). QUANTIZE: nothing to do."""
+        if not self.settings.measuring or self._finalized:
+            return
+        from neural_compressor.torch.algorithms.fp8_quant import finish_measurements
+
+        finish_measurements(model)
+        rank, world = _rank()
+        sidecar = {
+            **(self.record or {"model": self.model_name}),
+            "kv_amax": self._kv_observer.amax if self._kv_observer else {},
+        }
+        with open(sidecar_path(self.settings.stats_prefix, rank, world), "w") as f:
+            json.dump(sidecar, f, indent=1)
+        self._finalized = True
+        logger.info("INC calibration statistics written to %s*", self.settings.stats_prefix)
+
+    def _load_kv_scales(self, model: torch.nn.Module) -> None:
+        layers = {
+            name: layer
+            for name, layer in _attention_layers(model).items()
+            if str(getattr(layer, "kv_cache_dtype", "auto")).startswith("fp8")
+        }
+        if not layers:
+            return
+        rank, _ = _rank()
+        record = _read_sidecar(self.settings.stats_prefix, rank) or {}
+        amax = record.get("kv_amax", {})
+        from vllm_gaudi_platform.seam import backend
+
+        fp8_max = float(backend().fp8_max())
+        missing = []
+        for name, layer in layers.items():
+            if name not in amax:
+                missing.append(name)
+                continue
+            k_scale, v_scale = (max(float(a), 1e-12) / fp8_max for a in amax[name])
+            layer._k_scale.fill_(k_scale)
+            layer._v_scale.fill_(v_scale)
+            layer._k_scale_float = k_scale
+            layer._v_scale_float = v_scale
+        if missing:
+            logger.warning(
+                "FP8 KV cache: no measured key/value range for %d attention layers (%s...) in %s; "
+                "they keep scale 1.0. Re-run the MEASURE step to measure them.",
+                len(missing),
+                missing[0],
+                self.settings.stats_prefix,
+            )
