@@ -79,12 +79,14 @@ def run_engine(
     return proc, None
 
 
-def hf_greedy(model: str, prompts: list[list[int]], max_tokens: int = 12) -> list[dict]:
+def hf_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int = 12, dtype: str = "float32"
+) -> list[dict]:
     """Greedy continuation with transformers, one prompt at a time (no padding effects)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos=True on the vLLM side
     results = []
     with torch.no_grad():
