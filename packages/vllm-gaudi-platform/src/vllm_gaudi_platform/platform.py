@@ -120,6 +120,11 @@ class HpuPlatform(Platform):
         return torch.no_grad()
 
     @classmethod
+    def is_sleep_mode_available(cls) -> bool:
+        # HPUWorker.sleep/wake_up release and restore device memory per storage (sleep_mode.py).
+        return True
+
+    @classmethod
     def is_pin_memory_available(cls) -> bool:
         return _seam.PIN_MEMORY
 

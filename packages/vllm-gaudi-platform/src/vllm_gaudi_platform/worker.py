@@ -13,7 +13,7 @@ from vllm.utils.torch_utils import set_random_seed, set_torch_threads_for_runtim
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform import envs, sleep_mode
 from vllm_gaudi_platform.model_runner import HPUModelRunner
 from vllm_gaudi_platform.seam import backend as seam_backend
 
@@ -110,32 +110,61 @@ class HPUWorker(Worker):
     def execute_dummy_batch(self) -> None:
         self.model_runner._dummy_run(1, uniform_decode=True)
 
-    # ------------------------------------------------------------------ sleep mode (level 1)
+    # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int = 1) -> None:
-        """Level 1: drop the KV cache contents and move weights to host memory."""
-        if level != 1:
-            raise ValueError(f"HPU sleep mode supports level 1 only, got level={level}.")
-        model = self.model_runner.model
-        self._sleep_weights: dict[str, torch.Tensor] | None = {
-            name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters()
-        }
-        if not self.seam.IS_EMULATED:
-            for p in model.parameters():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        for kv in self.model_runner.kv_caches:
-            if isinstance(kv, torch.Tensor):
-                kv.zero_()
+        """Release device memory (see sleep_mode.py): level 1 offloads the weights to host memory,
+        level 2 drops them (reloaded on wake-up); both drop the KV cache."""
+        if level not in (1, 2):
+            raise ValueError(f"HPU sleep mode has levels 1 and 2, got level={level}.")
+        state = self._sleep
+        if state.asleep:
+            raise RuntimeError("HPU worker is already asleep; call wake_up first.")
         self.seam.synchronize()
-        logger.info("HPU worker asleep (level 1): weights offloaded, KV cache discarded")
+        free_before = self.seam.mem_get_info()[0]
+        state.level = level
+        weights = state.release(
+            sleep_mode.WEIGHTS, self.model_runner.model.parameters(), keep_on_host=level == 1
+        )
+        kv = state.release(sleep_mode.KV_CACHE, self._kv_cache_tensors(), keep_on_host=False)
+        self.seam.synchronize()
+        logger.info(
+            "HPU worker asleep (level %d): %.3f GiB of weights %s, %.3f GiB of KV cache dropped; "
+            "device free memory %.3f -> %.3f GiB",
+            level,
+            weights / 2**30,
+            "offloaded to host" if level == 1 else "dropped",
+            kv / 2**30,
+            free_before / 2**30,
+            self.seam.mem_get_info()[0] / 2**30,
+        )
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        saved = getattr(self, "_sleep_weights", None)
-        if saved is None:
-            return
-        for name, p in self.model_runner.model.named_parameters():
-            p.data = saved[name].to(self.device)
-        self._sleep_weights = None
+        """Take the memory back: "weights" (copied back, or reloaded after level 2) and/or
+        "kv_cache" (zeroed: its old contents were dropped)."""
+        for tag in sleep_mode.parse_tags(tags):
+            restored = self._sleep.restore(tag, reload=self.model_runner.reload_weights)
+            if restored:
+                logger.info("HPU worker woke %s (%.3f GiB)", tag, restored / 2**30)
         self.seam.synchronize()
+
+    def get_sleep_report(self) -> dict:
+        """Device bytes held now by the weights and the KV cache, and the sleep level (tests)."""
+        return {
+            "level": self._sleep.level,
+            "asleep_tags": sorted(self._sleep.released),
+            "weights_bytes": sleep_mode.device_bytes(self.model_runner.model.parameters()),
+            "kv_cache_bytes": sleep_mode.device_bytes(self._kv_cache_tensors()),
+        }
+
+    @property
+    def _sleep(self) -> sleep_mode.SleepState:
+        state = getattr(self, "_sleep_state", None)
+        if state is None:
+            state = self._sleep_state = sleep_mode.SleepState()
+        return state
+
+    def _kv_cache_tensors(self) -> list[torch.Tensor]:
+        return [kv for kv in self.model_runner.kv_caches if isinstance(kv, torch.Tensor)]
 
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request) -> bool:

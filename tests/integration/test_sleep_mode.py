@@ -1,0 +1,67 @@
+"""Sleep mode on the HPU platform (CPU emulation): levels 1 and 2 release the weights' and the KV
+cache's device memory, wake_up restores them (per tag), and greedy outputs after waking equal the
+outputs before sleeping. One engine process runs the whole sequence (sleep_job.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_gaudi_platform import tinymodels
+
+pytestmark = pytest.mark.engine
+
+JOB = Path(__file__).with_name("sleep_job.py")
+
+
+@pytest.fixture(scope="module")
+def run() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    model = str(tinymodels.build("llama"))
+    proc = subprocess.run(
+        [sys.executable, str(JOB), model], capture_output=True, text=True, env=env, timeout=600
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    pytest.fail(f"sleep job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+
+
+def test_awake_worker_holds_weights_and_kv_cache(run):
+    assert run["awake"]["weights_bytes"] > 0 and run["awake"]["kv_cache_bytes"] > 0
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_releases_weights_and_kv_cache(run, level):
+    asleep = run[f"level{level}_asleep"]
+    assert asleep["level"] == level
+    assert asleep["weights_bytes"] == 0 and asleep["kv_cache_bytes"] == 0
+    assert asleep["asleep_tags"] == ["kv_cache", "weights"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_wake_up_restores_the_same_amount_of_memory(run, level):
+    woken = run[f"level{level}_woken"]
+    assert woken["asleep_tags"] == [] and woken["level"] == 0
+    assert woken["weights_bytes"] == run["awake"]["weights_bytes"]
+    assert woken["kv_cache_bytes"] == run["awake"]["kv_cache_bytes"]
+
+
+def test_wake_up_with_a_tag_restores_only_that_tag(run):
+    partial = run["level2_weights_only"]
+    assert partial["weights_bytes"] == run["awake"]["weights_bytes"]
+    assert partial["kv_cache_bytes"] == 0 and partial["asleep_tags"] == ["kv_cache"]
+
+
+def test_outputs_after_level1_wake_equal_outputs_before_sleep(run):
+    assert run["after_level1"] == run["before"]
+
+
+def test_outputs_after_level2_wake_and_weight_reload_equal_outputs_before_sleep(run):
+    assert run["after_level2"] == run["before"]
