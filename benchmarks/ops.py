@@ -51,7 +51,7 @@ def median_ms(native: Callable[[], object], emulated: Callable[[], object], repe
 
 
 def norm_cases(tokens: int) -> list[Case]:
-    from vllm_gaudi_ops.layers.norm import HpuGemmaRMSNorm, HpuRMSNorm
+    from vllm_gaudi_ops.families.norm import HpuGemmaRMSNorm, HpuRMSNorm
 
     cases = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -78,7 +78,7 @@ def norm_cases(tokens: int) -> list[Case]:
 
 
 def rotary_cases(tokens: int) -> list[Case]:
-    from vllm_gaudi_ops.layers import rotary
+    from vllm_gaudi_ops.families import rotary
 
     heads, kv_heads, head = 32, 8, 128
     dtype = torch.bfloat16
@@ -130,7 +130,7 @@ def rotary_cases(tokens: int) -> list[Case]:
 
 
 def activation_cases(tokens: int) -> list[Case]:
-    from vllm_gaudi_ops.layers import activation
+    from vllm_gaudi_ops.families import activation
 
     dtype = torch.bfloat16
     x = torch.randn(tokens, 2 * 5632, dtype=dtype)
@@ -157,7 +157,7 @@ def moe_cases(decode_tokens: int, prefill_tokens: int) -> list[Case]:
     )
     from vllm.model_executor.layers.fused_moe.router import grouped_topk_router
 
-    from vllm_gaudi_ops.layers.moe import HpuGroupedTopk, HpuUnquantizedFusedMoEMethod
+    from vllm_gaudi_ops.families.moe import HpuGroupedTopk, HpuUnquantizedFusedMoEMethod
 
     cases = []
     hidden, inter, experts, topk = 1024, 1024, 16, 2
@@ -211,7 +211,7 @@ def moe_cases(decode_tokens: int, prefill_tokens: int) -> list[Case]:
 
 
 def encoder_attention_cases() -> list[Case]:
-    from vllm_gaudi_ops.layers.encoder_attention import HpuMMEncoderAttention
+    from vllm_gaudi_ops.families.encoder_attention import HpuMMEncoderAttention
 
     dtype = torch.bfloat16
     attention = HpuMMEncoderAttention(16, 80)

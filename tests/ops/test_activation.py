@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_ops.layers import activation
+from vllm_gaudi_ops.families import activation
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(7, 2 * 48), (2, 3, 2 * 64)]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_ops.layers.encoder_attention import HpuMMEncoderAttention
+from vllm_gaudi_ops.families.encoder_attention import HpuMMEncoderAttention
 
 HEADS, HEAD_SIZE = 4, 32
 

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 from vllm.model_executor.layers.fused_moe.router import cpu_router, grouped_topk_router
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_ops.layers.moe import HpuGroupedTopk, HpuUnquantizedFusedMoEMethod, route
+from vllm_gaudi_ops.families.moe import HpuGroupedTopk, HpuUnquantizedFusedMoEMethod, route
 
 HIDDEN, INTER = 64, 96
 MOE_TOLERANCE = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 3e-2}}

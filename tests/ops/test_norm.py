@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_ops.layers.norm import HpuGemmaRMSNorm, HpuRMSNorm
+from vllm_gaudi_ops.families.norm import HpuGemmaRMSNorm, HpuRMSNorm
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(7, 64), (1, 128), (2, 5, 96)]  # [tokens, hidden] and a per-head (q/k norm) shape

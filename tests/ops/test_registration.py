@@ -1,68 +1,65 @@
-"""Each family's register(): what it replaces on HPU, idempotence, and nothing elsewhere.
+"""Each family's entry point: what it replaces on HPU, idempotence, and nothing elsewhere.
 
-vLLM resolves its platform once per process, so each platform is a fresh interpreter: one under
-CPU emulation of the HPU platform, one on vLLM's CPU platform. Both start side by side on first
-use; each prints one JSON report that the tests read.
+The families are the installed `hpu_ops_*` entry points; what each must replace is the ops
+README's families table, and each family module's REPLACEMENTS must say the same. vLLM resolves
+its platform once per process, so each platform is a fresh interpreter: one under CPU emulation
+of the HPU platform, one on vLLM's CPU platform. Both start side by side on first use; each
+prints one JSON report that the tests read.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
-FAMILIES = {
-    "hpu_ops_norm": ("norm", ["RMSNorm", "GemmaRMSNorm"]),
-    "hpu_ops_rotary": (
-        "rotary",
-        [
-            "RotaryEmbedding",
-            "Llama3RotaryEmbedding",
-            "LinearScalingRotaryEmbedding",
-            "NTKScalingRotaryEmbedding",
-            "DynamicNTKScalingRotaryEmbedding",
-            "DynamicNTKAlphaRotaryEmbedding",
-            "YaRNScalingRotaryEmbedding",
-            "Gemma4RotaryEmbedding",
-            "DeepseekScalingRotaryEmbedding",
-            "DeepseekV4ScalingRotaryEmbedding",
-            "MRotaryEmbedding",
-            "MRotaryEmbeddingInterleaved",
-            "Ernie4_5_VLRotaryEmbedding",
-            "BailingMRotaryEmbedding",
-            "FourierRotaryEmbedding",
-            "Llama4VisionRotaryEmbedding",
-            "ApplyRotaryEmb",
-        ],
-    ),
-    "hpu_ops_activation": (
-        "activation",
-        [
-            "SiluAndMul",
-            "MulAndSilu",
-            "GeluAndMul",
-            "SwigluOAIAndMul",
-            "SwigluStepAndMul",
-            "SiluAndMulWithClamp",
-            "FatreluAndMul",
-            "SituAndMul",
-            "GeluAndMulSparse",
-        ],
-    ),
-    "hpu_ops_moe": ("moe", ["UnquantizedFusedMoEMethod", "GroupedTopk"]),
-    "hpu_ops_encoder_attention": ("encoder_attention", ["MMEncoderAttention"]),
-}
+OPS_README = Path(__file__).resolve().parents[2] / "packages" / "vllm-gaudi-ops" / "README.md"
+FAMILY_PREFIX = "hpu_ops_"
+
+
+def _family_entry_points() -> dict[str, metadata.EntryPoint]:
+    """The installed op-family entry points (`hpu_ops_*`), by name: the families under test."""
+    return {
+        ep.name: ep
+        for ep in metadata.entry_points(group="vllm.general_plugins")
+        if ep.name.startswith(FAMILY_PREFIX)
+    }
+
+
+ENTRY_POINTS = _family_entry_points()
+# entry point name -> family (the module in vllm_gaudi_ops/families/)
+FAMILIES = {name: name.removeprefix(FAMILY_PREFIX) for name in ENTRY_POINTS}
+
+
+def _family_module(family: str) -> ModuleType:
+    return importlib.import_module(f"vllm_gaudi_ops.families.{family}")
+
+
+def _readme_families() -> dict[str, tuple[str, list[str]]]:
+    """The ops README's families table: entry point -> (register function, classes replaced)."""
+    rows = {}
+    for line in OPS_README.read_text().splitlines():
+        if not line.startswith(f"| `{FAMILY_PREFIX}"):
+            continue
+        name, value, classes = (cell.strip() for cell in line.strip("|").split("|")[:3])
+        rows[name.strip("`")] = (value.strip("`"), re.findall(r"`([^`]+)`", classes))
+    return rows
+
 
 REGISTER_ALL = """
 import json
 import logging
+from importlib import metadata
 from vllm.platforms import current_platform
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm_gaudi_platform import plugins
-from vllm_gaudi_ops import activation, encoder_attention, moe, norm, rotary
 
 warnings = []
 class Collect(logging.Handler):
@@ -71,15 +68,18 @@ class Collect(logging.Handler):
             warnings.append(record.getMessage())
 logging.getLogger("vllm.vllm_gaudi_platform").addHandler(Collect())
 
-modules = [norm, rotary, activation, moe, encoder_attention]
+# Every installed op family, through its entry point, as vLLM loads it.
+eps = metadata.entry_points(group="vllm.general_plugins")
+eps = sorted((ep for ep in eps if ep.name.startswith("hpu_ops_")), key=lambda ep: ep.name)
+registers = [ep.load() for ep in eps]
 for _ in range(2):
-    for module in modules:
-        module.register()
+    for register in registers:
+        register()
 first = {k: f"{v.__module__}.{v.__qualname__}" for k, v in op_registry_oot.items()}
 # Past the once-per-process guard: the replacement itself must be idempotent too.
 plugins.OUTCOMES.clear()
-for module in modules:
-    module.register()
+for register in registers:
+    register()
 report = {
     "platform": type(current_platform).__name__,
     "outcomes": dict(plugins.OUTCOMES),
@@ -125,6 +125,16 @@ for family, (layer, args) in layers.items():
         "forward": layer._forward_method.__func__.__qualname__,
     }
 report["counts"] = dict(stats.COUNTS)
+
+# What custom_ops=["-rms_norm"] does to the replacement: vLLM matches the op's `name`.
+from vllm.config import CompilationConfig
+minus_rms_norm = VllmConfig(compilation_config=CompilationConfig(custom_ops=["-rms_norm"]))
+with set_current_vllm_config(minus_rms_norm):
+    norm = RMSNorm(16)
+report["rms_norm_disabled"] = {
+    "class": type(norm).__qualname__,
+    "forward": norm._forward_method.__func__.__qualname__,
+}
 """
 
 PRINT = 'print("REPORT " + json.dumps(report))\n'
@@ -158,19 +168,78 @@ def reports(run_python):
     return Reports(run_python)
 
 
-@pytest.mark.parametrize("entry_point", sorted(FAMILIES))
-def test_family_replaces_its_classes_on_hpu(reports, entry_point):
-    family, class_names = FAMILIES[entry_point]
+# --- the family modules and their entry points, in this process ----------------------------------
+
+
+def test_families_are_installed():
+    assert FAMILIES, "no hpu_ops_* entry point installed (run `make setup`)"
+
+
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_entry_point_value_names_the_family_module_of_the_same_name(entry_point):
+    family = FAMILIES[entry_point]
+
+    assert ENTRY_POINTS[entry_point].value == f"vllm_gaudi_ops.register:{family}"
+    assert importlib.util.find_spec(f"vllm_gaudi_ops.families.{family}") is not None
+
+
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_entry_point_loads_one_register_function_named_after_it(entry_point):
+    register = ENTRY_POINTS[entry_point].load()
+
+    assert callable(register)
+    assert register.__name__ == entry_point
+    assert ENTRY_POINTS[entry_point].load() is register
+
+
+def test_an_entry_point_naming_no_family_module_fails_to_load_and_says_which_module():
+    from vllm_gaudi_ops import register
+
+    with pytest.raises(AttributeError, match=r"vllm_gaudi_ops\.families\.nrom"):
+        register.nrom  # noqa: B018
+
+
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_family_module_counts_under_its_own_name(entry_point):
+    family = FAMILIES[entry_point]
+
+    assert family == _family_module(family).FAMILY
+
+
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_each_replacement_is_a_subclass_with_its_own_forward_oot(entry_point):
+    for in_tree, replacement in _family_module(FAMILIES[entry_point]).REPLACEMENTS:
+        # Model code checks isinstance against the in-tree class; the Gaudi path is forward_oot.
+        assert issubclass(replacement, in_tree), replacement
+        assert replacement.forward_oot is not in_tree.forward_oot, replacement
+
+
+def test_ops_readme_families_table_lists_each_entry_point_and_the_classes_it_replaces():
+    expected = {
+        name: (ep.value, [c.__name__ for c, _ in _family_module(FAMILIES[name]).REPLACEMENTS])
+        for name, ep in ENTRY_POINTS.items()
+    }
+
+    assert _readme_families() == expected
+
+
+# --- registration through the entry points, in fresh processes ---------------------------------
+
+
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_family_replaces_its_readme_classes_on_hpu(reports, entry_point):
+    module = f"vllm_gaudi_ops.families.{FAMILIES[entry_point]}"
+    _, class_names = _readme_families()[entry_point]
     report = reports["emulated"]
 
     assert report["platform"] == "HpuPlatform"
     assert report["outcomes"][entry_point] == "registered"
     for name in class_names:
-        assert report["registry"].get(name, "").startswith(f"vllm_gaudi_ops.layers.{family}."), name
+        assert report["registry"].get(name, "").startswith(f"{module}.Hpu"), name
 
 
 def test_families_register_nothing_else(reports):
-    expected = {name for _, names in FAMILIES.values() for name in names}
+    expected = {name for _, names in _readme_families().values() for name in names}
     registry = reports["emulated"]["registry"]
 
     assert {k for k, v in registry.items() if v.startswith("vllm_gaudi_ops.")} == expected
@@ -183,23 +252,34 @@ def test_register_twice_and_after_a_reset_changes_nothing_and_warns_nothing(repo
     assert report["warnings"] == []
 
 
-def test_replacements_keep_vllms_op_names_for_custom_ops_settings(reports):
+@pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
+def test_every_replacement_keeps_the_in_tree_op_name(reports, entry_point):
+    # Registering with register_custom_op alone renames the op to its class name ("RMSNorm"),
+    # and then compilation_config.custom_ops ("-rms_norm") no longer reaches it: replace_ops
+    # restores the in-tree name.
     names = reports["emulated"]["op_names"]
 
-    assert names["RMSNorm"] == "rms_norm"
-    assert names["Llama3RotaryEmbedding"] == "rotary_embedding"
-    assert names["UnquantizedFusedMoEMethod"] == "unquantized_fused_moe"
+    for in_tree, _ in _family_module(FAMILIES[entry_point]).REPLACEMENTS:
+        assert names[in_tree.__name__] == in_tree.name, in_tree.__name__
 
 
-@pytest.mark.parametrize("family", sorted(f for f, _ in FAMILIES.values()))
+def test_custom_ops_minus_rms_norm_runs_vllms_native_norm_on_hpu(reports):
+    disabled = reports["emulated"]["rms_norm_disabled"]
+
+    assert disabled["class"] == "HpuRMSNorm"
+    assert disabled["forward"].endswith(".forward_native")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES.values()))
 def test_layers_built_by_model_code_run_the_gaudi_forward(reports, family):
-    built = reports["emulated"]["built"][family]
+    built = reports["emulated"]["built"].get(family)
 
+    assert built, f"add a layer of the {family} family to BUILD_AND_RUN"
     assert built["class"].startswith("Hpu")
     assert built["forward"].endswith(".forward_oot")
 
 
-@pytest.mark.parametrize("family", sorted(f for f, _ in FAMILIES.values()))
+@pytest.mark.parametrize("family", sorted(FAMILIES.values()))
 def test_family_counter_shows_its_forward_oot_ran(reports, family):
     assert reports["emulated"]["counts"].get(family, 0) >= 1
 
@@ -209,28 +289,19 @@ def test_on_a_non_hpu_platform_register_does_nothing(reports):
 
     assert report["platform"] != "HpuPlatform"
     assert report["registry"] == {}
-    for entry_point in FAMILIES:
+    for entry_point in ENTRY_POINTS:
         assert report["outcomes"][entry_point] == "skipped: active platform is not HPU"
 
 
-def test_installed_metadata_declares_one_entry_point_per_family():
-    eps = {
-        ep.name: ep
-        for ep in metadata.entry_points(group="vllm.general_plugins")
-        if ep.name.startswith("hpu_ops_")
-    }
-
-    assert set(eps) == set(FAMILIES)
-    for ep in eps.values():
-        assert ep.load() is importlib.import_module(ep.module).register
-
-
-def test_entry_point_modules_import_neither_torch_nor_vllm(run_python):
+def test_loading_the_entry_points_imports_neither_torch_nor_vllm(run_python):
     # vLLM loads every general plugin in every process, whatever the platform: loading must be
     # cheap, and must not import vLLM's layers (that imports vLLM's compiled kernels).
     result = run_python(
         "import sys\n"
-        "from vllm_gaudi_ops import activation, encoder_attention, moe, norm, rotary\n"
+        "from importlib import metadata\n"
+        "eps = metadata.entry_points(group='vllm.general_plugins')\n"
+        "loaded = [ep.load() for ep in eps if ep.name.startswith('hpu_ops_')]\n"
+        "assert loaded\n"
         "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))"
     )
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_ops.layers import rotary
+from vllm_gaudi_ops.families import rotary
 
 DTYPES = [torch.float32, torch.bfloat16]
 HEAD, MAX_POS, BASE = 64, 256, 10000.0

@@ -1,8 +1,11 @@
-"""Registering a Gaudi class as the out-of-tree replacement of a vLLM CustomOp class."""
+"""Registering a family's Gaudi classes as the out-of-tree replacements of vLLM CustomOp classes."""
 
 from __future__ import annotations
 
-from vllm_gaudi_platform.plugins import register_custom_op
+import importlib
+from collections.abc import Callable
+
+from vllm_gaudi_platform.plugins import general_plugin, register_custom_op
 
 
 def replace_ops(pairs: tuple[tuple[type, type], ...]) -> None:
@@ -20,3 +23,26 @@ def replace_ops(pairs: tuple[tuple[type, type], ...]) -> None:
         register_custom_op(replacement, in_tree.__name__)
         if op_registry_oot.get(in_tree.__name__) is replacement and hasattr(in_tree, "name"):
             replacement.name = in_tree.name
+
+
+def family_plugin(entry_point: str, module: str) -> Callable[[], None]:
+    """The `vllm.general_plugins` register function of the op family in `module`.
+
+    Calling it imports `module` and passes its `REPLACEMENTS` to `replace_ops`, under the
+    general-plugin contract of `vllm_gaudi_platform.plugins.general_plugin(entry_point)`.
+    Building it imports nothing: `module` imports vLLM's layers.
+    """
+
+    def register() -> None:
+        replace_ops(importlib.import_module(module).REPLACEMENTS)
+
+    register.__name__ = register.__qualname__ = entry_point
+    register.__module__ = "vllm_gaudi_ops.register"
+    register.__doc__ = (
+        f"Replace the vLLM CustomOp classes listed in {module}.REPLACEMENTS with their Gaudi "
+        "subclasses (the `hpu_ops_*` family registered by this entry point).\n\n"
+        "Does nothing but log one line when vLLM's active platform is not HPU (real or "
+        "emulated), and warns instead when the installed vLLM is outside the supported range. "
+        "Idempotent."
+    )
+    return general_plugin(entry_point)(register)
