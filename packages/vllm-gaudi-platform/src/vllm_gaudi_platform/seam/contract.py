@@ -100,6 +100,16 @@ class HpuBackend(Protocol):
         experts_max: int,
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ 4-bit kernels
+    def convert_from_uint4(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        qzeros: torch.Tensor,
+        out_dtype: torch.dtype,
+        g_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
 
 if TYPE_CHECKING:
     # The type checker proves both backend modules satisfy the Protocol.

@@ -304,3 +304,34 @@ def mixture_of_experts(
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, rows, y.float() * weights)
     return out.to(hidden_states.dtype)
+
+
+# ----------------------------------------------------------------------------- 4-bit kernels
+def _unpack_uint4_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] -> int32 [R, C]: nibble i of word j is column 8j+i (lowest nibble first)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    # & 0xF undoes the sign extension an arithmetic shift of a negative word brings in.
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+
+
+def convert_from_uint4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    out_dtype: torch.dtype,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize 4-bit weights to [K, N] in `out_dtype`.
+
+    `qweight` int32 [K, N/8] and `qzeros` int32 [G, N/8] are packed along N (nibble i of word j
+    is column 8j+i); `qzeros` holds the zero points themselves. `scales` is [G, N].
+    W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n], g(k) = g_idx[k] if given, else k // (K / G)."""
+    q = _unpack_uint4_columns(qweight)
+    z = _unpack_uint4_columns(qzeros)
+    rows = q.shape[0]
+    if g_idx is None:
+        g_idx = torch.arange(rows, device=q.device) // (rows // scales.shape[0])
+    g_idx = g_idx.long()
+    # (q - z) is a small integer, exact in any float type: one rounding, in the product.
+    w = (q - z.index_select(0, g_idx)).to(torch.float32) * scales.index_select(0, g_idx).float()
+    return w.to(out_dtype)

@@ -150,3 +150,21 @@ def mixture_of_experts(
         experts_min=experts_min,
         experts_max=experts_max,
     )
+
+
+# ----------------------------------------------------------------------------- 4-bit kernels
+def convert_from_uint4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    out_dtype: torch.dtype,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize 4-bit weights to [K, N] in `out_dtype`.
+
+    `qweight` int32 [K, N/8] and `qzeros` int32 [G, N/8] are packed along N (nibble i of word j
+    is column 8j+i); `qzeros` holds the zero points themselves. `scales` is [G, N].
+    W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n], g(k) = g_idx[k] if given, else k // (K / G)."""
+    if g_idx is None:
+        return torch.ops.hpu.convert_from_uint4(qweight, scales, qzeros, out_dtype)
+    return torch.ops.hpu.convert_from_uint4(qweight, scales, qzeros, out_dtype, g_idx)
