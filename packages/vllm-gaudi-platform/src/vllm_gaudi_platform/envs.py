@@ -71,6 +71,12 @@ VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "8",
     "Device memory (GiB) the CPU emulation reports as the total memory of one emulated HPU.",
 )
+VLLM_HPU_EMULATION_GAUDI = _declare(
+    "VLLM_HPU_EMULATION_GAUDI",
+    "3",
+    "Gaudi generation the CPU emulation behaves as where generations differ: 3 or 2. Today that is "
+    "the FP8 E4M3 range (largest value 448 on Gaudi 3, 240 on Gaudi 2).",
+)
 VLLM_HPU_OPS_STATS_FILE = _declare(
     "VLLM_HPU_OPS_STATS_FILE",
     None,

@@ -1,1 +1,21 @@
-"""See the README."""
+"""Gaudi quantization methods for vLLM, one `vllm.general_plugins` entry point per method.
+
+Layout (follow it when adding a method `<method>`):
+
+- `vllm_gaudi_quant/<method>.py`: the entry point, `register()` decorated with
+  `vllm_gaudi_platform.plugins.general_plugin("hpu_quant_<method>")`. It imports nothing heavy at
+  module level (no torch, no vllm: vLLM loads every general plugin in every process) and, inside
+  `register()`, imports vLLM's `register_quantization_config` and the config class and registers
+  it. The decorator makes it idempotent and a no-op off HPU; the body must also be correct in any
+  order against the other methods (register only its own name(s)).
+- `vllm_gaudi_quant/methods/<method>.py`: the heavy code (config class, linear and MoE methods),
+  importing torch and vllm freely. Kernels come from `vllm_gaudi_platform.seam.backend()`.
+- `pyproject.toml`: `hpu_quant_<method> = "vllm_gaudi_quant.<method>:register"` under
+  `[project.entry-points."vllm.general_plugins"]`.
+- `tests/quant/`: tests run against this wheel and the platform wheel only (never import
+  `vllm_gaudi_ops`); `tests/quant/conftest.py` has the shared fixtures.
+- `benchmarks/quant.py`: add a row to its METHODS table.
+
+Shared pieces: `methods/fp8.py` exposes `apply_fp8_linear` (FP8 weight [K, N] times activations
+quantized with `cast_to_fp8_v2`, through `fp8_gemm_v2`) for any method with FP8 weights.
+"""

@@ -110,6 +110,36 @@ class HpuBackend(Protocol):
         g_idx: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ quantization kernels
+    def fp8_max(self, dtype: torch.dtype = ...) -> float: ...
+
+    def cast_to_fp8_v2(
+        self,
+        x: torch.Tensor,
+        scale: torch.Tensor | float | None = None,
+        stochastic_rounding: bool = False,
+        is_amax: bool = False,
+        dtype: torch.dtype = ...,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def cast_from_fp8(
+        self, x: torch.Tensor, scale: torch.Tensor | float | None, out_dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+    def fp8_gemm_v2(
+        self,
+        A: torch.Tensor,
+        trans_A: bool,
+        B: torch.Tensor,
+        trans_B: bool,
+        D: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        A_scale_inv: torch.Tensor | float | None = None,
+        B_scale_inv: torch.Tensor | float | None = None,
+        bias: torch.Tensor | None = None,
+        accumulate: bool = False,
+    ) -> torch.Tensor: ...
+
 
 if TYPE_CHECKING:
     # The type checker proves both backend modules satisfy the Protocol.
