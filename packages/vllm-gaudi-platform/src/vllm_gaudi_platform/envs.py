@@ -91,6 +91,14 @@ QUANT_CONFIG = _declare(
     "`vllm-gaudi calibrate` writes a ready one.",
 )
 
+VLLM_NIXL_DEVICE_TO_DEVICE = _declare(
+    "VLLM_NIXL_DEVICE_TO_DEVICE",
+    "false",
+    "true: the NIXL connector (vllm-gaudi-connectors) registers Gaudi device memory with NIXL and "
+    "moves KV blocks device to device (kv_buffer_device 'hpu'); false: through host buffers "
+    "(kv_buffer_device 'cpu'). Gaudi only: emulated KV caches already live in host memory.",
+)
+
 
 def get_raw(name: str) -> str | None:
     value = os.environ.get(name)

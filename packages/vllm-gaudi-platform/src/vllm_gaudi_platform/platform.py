@@ -270,6 +270,62 @@ class HpuPlatform(Platform):
         if _seam.IS_EMULATED:
             logger.info("HPU platform active: Gaudi kernels %s (no Gaudi device used)", _seam.NAME)
 
+    # ------------------------------------------------------------------ NIXL (KV transfer)
+    # vLLM's NixlConnector looks these up by `device_type` ("hpu" on a Gaudi, "cpu" in emulation,
+    # where vLLM's own cpu entry already allows host buffers) and stages KV blocks through host
+    # buffers with insert_blocks_to_device / swap_out_blocks_to_host when kv_buffer_device is
+    # "cpu" on a device that is not the CPU.
+
+    @classmethod
+    def get_nixl_supported_devices(cls) -> dict[str, tuple[str, ...]]:
+        if not _seam.IS_EMULATED and envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
+            return {"hpu": ("cpu", "hpu")}
+        return {"hpu": ("cpu",)}
+
+    @classmethod
+    def get_nixl_memory_type(cls) -> str | None:
+        # Registered KV memory: Gaudi HBM when NIXL moves blocks device to device, host DRAM
+        # otherwise (host staging buffers, or the emulated cache itself).
+        if not _seam.IS_EMULATED and envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
+            return "VRAM"
+        return "DRAM"
+
+    @classmethod
+    def insert_blocks_to_device(
+        cls,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+    ) -> None:
+        """Copy host staging blocks into the device KV cache (block axis first, LBNHC)."""
+        _seam.copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices)
+        _seam.synchronize()
+
+    @classmethod
+    def swap_out_blocks_to_host(
+        cls,
+        src_cache: torch.Tensor,
+        dst_cache: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+    ) -> None:
+        """Copy device KV cache blocks into host staging buffers; done when this returns."""
+        _seam.copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices)
+        # NIXL reads the host buffer right after: the device-to-host copy must have landed.
+        _seam.synchronize()
+
+    @classmethod
+    def discover_numa_topology(cls) -> list[list[int]]:
+        """Cores to reserve per NUMA node for NIXL's transfer thread: none.
+
+        vLLM's NixlConnector calls this when the device type is "cpu" (emulation) and pins the
+        worker to the returned cores. The HPU worker computes on its device (or, emulated, on
+        every core it is given); pinning it to one core per node would serialize the prefill and
+        decode instances of one host onto the same core.
+        """
+        return []
+
 
 def _check_bucketing(vllm_config: VllmConfig) -> None:
     """Build the bucket plan once here, in the process that parses the config, so a bad

@@ -100,6 +100,15 @@ class HpuBackend(Protocol):
         experts_max: int,
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ KV block copies
+    def copy_blocks(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        src_block_indices: torch.Tensor,
+        dst_block_indices: torch.Tensor,
+    ) -> None: ...
+
     # ------------------------------------------------------------------ 4-bit kernels
     def convert_from_uint4(
         self,

@@ -306,6 +306,22 @@ def mixture_of_experts(
     return out.to(hidden_states.dtype)
 
 
+# ----------------------------------------------------------------------------- KV block copies
+def copy_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_block_indices: torch.Tensor,
+    dst_block_indices: torch.Tensor,
+) -> None:
+    """dst[dst_block_indices[i]] = src[src_block_indices[i]] along dim 0 (the block axis), where
+    src and dst may be on different devices (host <-> HPU). Asynchronous on a Gaudi: call
+    synchronize() before reading dst on the host.
+
+    Emulated: both sides are host memory; the copy is done when this returns."""
+    blocks = src.index_select(0, src_block_indices.to(src.device))
+    dst.index_copy_(0, dst_block_indices.to(dst.device), blocks.to(dst.device))
+
+
 # ----------------------------------------------------------------------------- 4-bit kernels
 def _unpack_uint4_columns(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C/8] -> int32 [R, C]: nibble i of word j is column 8j+i (lowest nibble first)."""

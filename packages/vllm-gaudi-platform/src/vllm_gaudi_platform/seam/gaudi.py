@@ -152,6 +152,20 @@ def mixture_of_experts(
     )
 
 
+# ----------------------------------------------------------------------------- KV block copies
+def copy_blocks(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_block_indices: torch.Tensor,
+    dst_block_indices: torch.Tensor,
+) -> None:
+    """dst[dst_block_indices[i]] = src[src_block_indices[i]] along dim 0 (the block axis), where
+    src and dst may be on different devices (host <-> HPU). Asynchronous on a Gaudi: call
+    synchronize() before reading dst on the host."""
+    blocks = src.index_select(0, src_block_indices.to(src.device))
+    dst.index_copy_(0, dst_block_indices.to(dst.device), blocks.to(dst.device, non_blocking=True))
+
+
 # ----------------------------------------------------------------------------- 4-bit kernels
 def convert_from_uint4(
     qweight: torch.Tensor,
