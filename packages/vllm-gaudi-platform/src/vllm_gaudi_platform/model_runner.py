@@ -160,11 +160,14 @@ class HPUModelRunner(GPUModelRunner):
             )
         )
 
-    def load_model(self, load_dummy_weights: bool = False) -> None:
+    def load_model(
+        self, load_dummy_weights: bool = False, *, model: torch.nn.Module | None = None
+    ) -> None:
+        """Load the model (or take `model`, already loaded, as vLLM's runner does)."""
         if load_dummy_weights:
             raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
         logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
-        self.model = get_model(vllm_config=self.vllm_config)
+        self.model = model if model is not None else get_model(vllm_config=self.vllm_config)
         # A quantization method may transform the loaded model before warmup (INC FP8 patches its
         # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
         after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)

@@ -40,7 +40,10 @@ _register_attention_backend()
 
 def _route_torch_accelerator_to_seam() -> None:
     """vLLM's shared code calls torch.accelerator (empty_cache, synchronize) in every process;
-    in emulation there is no torch accelerator, so those calls go to the emulated device."""
+    in emulation there is no torch accelerator, so those calls go to the emulated device.
+
+    A process-wide patch: the ledger in tests/platform/test_upstream_contract.py says why and
+    when it can go."""
 
     def empty_cache() -> None:  # a distinct function: dynamo keys its handlers on identity
         return None
@@ -96,10 +99,6 @@ class HpuPlatform(Platform):
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
         return _seam.mem_get_info()[1]
-
-    @classmethod
-    def mem_get_info(cls) -> tuple[int, int]:
-        return _seam.mem_get_info()
 
     @classmethod
     def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
@@ -168,10 +167,6 @@ class HpuPlatform(Platform):
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
         return False
-
-    @classmethod
-    def supports_structured_output(cls) -> bool:
-        return True
 
     @classmethod
     def use_all_gather(cls) -> bool:

@@ -1,0 +1,507 @@
+"""Upstream-drift guard: every private vLLM name we override, call or patch still exists, with the
+parameters we rely on, in the installed vLLM (and torch).
+
+Why: an override of a renamed private method is never called, and vLLM raises nothing about it; a
+vLLM upgrade would silently lose the HPU behaviour. This test turns that into a failure that names
+the method. `UPSTREAM` below is the list, kept as data; `problems_with(expectation)` checks one.
+
+How to add yours (quant, connectors, ops): append an `Upstream(...)` to `UPSTREAM` for each vLLM
+name your code overrides, calls or monkeypatches and that is private (a leading underscore) or
+otherwise outside vLLM's documented plugin API: `target` is "module:Qualified.name", `used_by`
+names our code, `params` the leading parameters (after self/cls) in the order we pass them,
+`keywords` any further ones we pass by name, `mentions` the identifiers its source must still
+contain (for attributes it sets, such as a layer's `_k_scale`). A subclass of a vLLM class goes
+into `OVERRIDING_CLASSES` with the methods it adds (every other method must override one).
+
+Ledger of the process-wide patches we apply (the patch sites point here)
+-----------------------------------------------------------------------
+1. `torch.accelerator.{empty_cache, empty_host_cache, synchronize}` (platform.py,
+   `_route_torch_accelerator_to_seam`, CPU emulation only). Why: vLLM's shared worker and runner
+   code call torch.accelerator directly in every process; with no torch accelerator (emulation on
+   the CPU) those calls fail, so they are routed to the seam. On a Gaudi, torch's own HPU
+   accelerator answers them and nothing is patched. Can go when vLLM asks the platform
+   (`current_platform.synchronize()` / `empty_cache()`) instead of torch.accelerator, or when
+   torch.accelerator accepts the CPU as an accelerator.
+2. `torch.Event` and `torch.cuda.Stream` (model_runner.py, `_without_cuda_handles`), swapped for
+   the seam's Event/Stream only while `GPUModelRunner.__init__` runs. Why: the constructor creates
+   CUDA events and streams for asynchronous output copies and speculative decoding, which fail
+   without CUDA; the HPU runner never uses them (no async scheduling). Can go when vLLM creates
+   them through the platform (a device-neutral `torch.Stream(device=...)` or a platform hook), or
+   only when the features that use them are enabled.
+3. Triton stand-ins (triton_overrides.py, registered by `HpuPlatform.register_triton_kernel_
+   overrides` through `vllm.triton_utils.dispatcher.register_kernels`): a plain-torch
+   `ComputeSlotMappingKernel.kernel` (the slot mapping of every step). Why: Gaudi has no Triton,
+   and the runner's input preparation launches this kernel on every platform. Not a monkeypatch:
+   vLLM's own override registry; the kernel name string is the contract. Can go when vLLM computes
+   the slot mapping without Triton on non-CUDA platforms, or when a Gaudi Triton backend exists.
+
+Not process-wide but on the same list: `HPUModelRunner._share_host_buffers` (emulation only)
+points the device half of every `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at
+the host half. It relies on vLLM's naming conventions, checked by the `CONVENTIONS` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """One vLLM (or torch) name our code relies on, and how."""
+
+    target: str  # "module:Qualified.name"
+    used_by: str  # our code that relies on it
+    params: tuple[str, ...] = ()  # leading parameters after self/cls, in order
+    keywords: tuple[str, ...] = ()  # further parameters we pass by name
+    mentions: tuple[str, ...] = ()  # identifiers its source must contain (attributes it sets)
+
+    def __str__(self) -> str:
+        return self.target
+
+
+RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+ROTARY = "vllm.model_executor.layers.rotary_embedding"
+
+UPSTREAM: tuple[Upstream, ...] = (
+    # --- the model runner (model_runner.py: HPUModelRunner) -------------------------------------
+    Upstream(
+        f"{RUNNER}._determine_batch_execution_and_padding",
+        "HPUModelRunner pads every step to a bucket here (vLLM passes these by name)",
+        params=("num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens"),
+    ),
+    Upstream(f"{RUNNER}._sync_device", "HPUModelRunner synchronizes through the seam"),
+    Upstream(
+        f"{RUNNER}._to_list", "HPUModelRunner: a plain tolist()", params=("sampled_token_ids",)
+    ),
+    Upstream(
+        f"{RUNNER}._zero_block_ids",
+        "HPUModelRunner zeroes freed KV blocks in the HPU layout",
+        params=("block_ids",),
+    ),
+    Upstream(
+        f"{RUNNER}._dummy_run",
+        "HPUWorker.execute_dummy_batch calls _dummy_run(1, uniform_decode=True)",
+        params=("num_tokens",),
+        keywords=("uniform_decode",),
+    ),
+    Upstream(
+        f"{RUNNER}._make_buffer",
+        "HPUModelRunner._share_host_buffers finds the runner's CpuGpuBuffers made here",
+        mentions=("CpuGpuBuffer",),
+    ),
+    Upstream(
+        f"{RUNNER}.initialize_kv_cache",
+        "HPUModelRunner rebuilds the bucket plan from the real KV cache",
+        params=("kv_cache_config",),
+    ),
+    # --- the worker (worker.py: HPUWorker) -----------------------------------------------------
+    Upstream(
+        "vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",
+        "HPUWorker: no CUDA sleep-mode memory pool on HPU",
+        params=("tag",),
+    ),
+    # --- attention (attention.py) --------------------------------------------------------------
+    Upstream(
+        "vllm.v1.attention.backend:AttentionMetadataBuilder._init_reorder_batch_threshold",
+        "HPUAttentionMetadataBuilder puts decodes first",
+        params=("reorder_batch_threshold", "supports_spec_as_decode"),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
+        "HPUAttentionImpl reads layer._k_scale/_v_scale for the FP8 KV cache",
+        mentions=("_k_scale", "_v_scale"),
+    ),
+    Upstream(
+        "vllm.v1.attention.backends.registry:register_backend",
+        "platform.py registers the HPU backend as AttentionBackendEnum.CUSTOM",
+        params=("backend", "class_path"),
+    ),
+    Upstream("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM", "platform.py"),
+    # --- host/device buffers (model_runner.py: _share_host_buffers) ----------------------------
+    Upstream("vllm.v1.utils:CpuGpuBuffer", "HPUModelRunner._share_host_buffers (.cpu/.gpu)"),
+    Upstream(
+        "vllm.v1.worker.block_table:MultiGroupBlockTable",
+        "HPUModelRunner._share_host_buffers walks input_batch.block_table.block_tables",
+        mentions=("block_tables",),
+    ),
+    # --- Triton stand-ins (triton_overrides.py) ------------------------------------------------
+    Upstream(
+        "vllm.triton_utils.dispatcher:register_kernels",
+        "triton_overrides.register",
+        params=("overrides",),
+    ),
+    Upstream(
+        "vllm.v1.worker.block_table:ComputeSlotMappingKernel.kernel",
+        "triton_overrides.compute_slot_mapping stands in for it, positionally",
+        params=(
+            "num_tokens",
+            "max_num_tokens",
+            "query_start_loc_ptr",
+            "positions_ptr",
+            "block_table_ptr",
+            "block_table_stride",
+            "slot_mapping_ptr",
+            "KV_CACHE_BLOCK_SIZE",
+            "TOTAL_CP_WORLD_SIZE",
+            "TOTAL_CP_RANK",
+            "CP_KV_CACHE_INTERLEAVE_SIZE",
+            "PAD_ID",
+            "BLOCK_SIZE",
+        ),
+    ),
+    # --- torch names patched process-wide (see the ledger above) -------------------------------
+    Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
+    Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),
+    Upstream("torch:accelerator.synchronize", "platform.py routes it to the seam (emulation)"),
+    Upstream("torch:Event", "model_runner.py swaps it while GPUModelRunner.__init__ runs"),
+    Upstream("torch:cuda.Stream", "model_runner.py swaps it while GPUModelRunner.__init__ runs"),
+    # --- ops wheel: private rotary helpers its forward_oot calls -------------------------------
+    Upstream(
+        f"{ROTARY}.base:RotaryEmbedding._match_cos_sin_cache_dtype",
+        "vllm_gaudi_ops rotary family",
+        params=("query",),
+    ),
+    Upstream(
+        f"{ROTARY}.mrope_interleaved:MRotaryEmbeddingInterleaved._rebuild_pos_emb",
+        "vllm_gaudi_ops rotary family",
+        params=("positions",),
+    ),
+    Upstream(
+        f"{ROTARY}.fope:FourierRotaryEmbedding._compute_cos_sin_cache",
+        "vllm_gaudi_ops rotary family",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Overriding:
+    """One of our subclasses of a vLLM class: every method it defines overrides one of the base,
+    except those in `adds` (ours alone)."""
+
+    ours: str  # "module:Class"
+    base: str  # "module:Class"
+    adds: frozenset[str] = frozenset()
+    # Hooks the base class does not declare but vLLM looks up on the object anyway (duck typing):
+    # method name -> "module:Qualified.name" of the vLLM code whose source calls it.
+    hooks: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        return self.ours
+
+
+P = "vllm_gaudi_platform"
+KV_UTILS = "vllm.distributed.kv_transfer.kv_connector.utils"
+NIXL_WORKER = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker"
+)
+OVERRIDING_CLASSES: tuple[Overriding, ...] = (
+    Overriding(
+        f"{P}.platform:HpuPlatform",
+        "vllm.platforms.interface:Platform",
+        frozenset({"is_emulated", "supported_dtypes"}),
+        hooks=(
+            ("insert_blocks_to_device", f"{KV_UTILS}:copy_kv_blocks"),
+            ("swap_out_blocks_to_host", f"{KV_UTILS}:copy_kv_blocks"),
+            ("discover_numa_topology", f"{NIXL_WORKER}.__init__"),
+        ),
+    ),
+    Overriding(
+        f"{P}.worker:HPUWorker",
+        "vllm.v1.worker.gpu_worker:Worker",
+        frozenset(
+            {
+                "get_recompile_stats",
+                "get_sleep_report",
+                "finalize_calibration",
+                "_sleep",
+                "_kv_cache_tensors",
+            }
+        ),
+    ),
+    Overriding(
+        f"{P}.model_runner:HPUModelRunner",
+        RUNNER,
+        frozenset(
+            {
+                "_share_host_buffers",
+                "finalize_calibration",
+                "warmup_model",
+                "_run_bucket",
+                "_forward_with_metadata",
+                "_attention_layer_names",
+            }
+        ),
+    ),
+    Overriding(
+        f"{P}.attention:HPUAttentionMetadataBuilder",
+        "vllm.v1.attention.backend:AttentionMetadataBuilder",
+    ),
+)
+
+
+# ------------------------------------------------------------------------------------ the checks
+
+
+def resolve(target: str) -> Any:
+    """The object `target` ("module:Qualified.name") names; AttributeError/ImportError if gone."""
+    module_name, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parameter_names(obj: Any) -> list[str]:
+    """Parameter names of a function, method or Triton kernel, without a leading self/cls."""
+    names = getattr(obj, "arg_names", None)  # a real Triton JITFunction
+    if names is None:
+        names = list(inspect.signature(getattr(obj, "func", obj)).parameters)
+    names = list(names)
+    return names[1:] if names[:1] in (["self"], ["cls"]) else names
+
+
+def _accepts_any_keyword(obj: Any) -> bool:
+    params = inspect.signature(obj).parameters.values()
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def problems_with(expected: Upstream) -> list[str]:
+    """What no longer holds of one expectation in the installed packages (empty: all holds)."""
+    try:
+        obj = resolve(expected.target)
+    except (ImportError, AttributeError) as exc:
+        return [f"{expected.target} is gone ({exc}); used by {expected.used_by}"]
+    problems = []
+    if expected.params or expected.keywords:
+        names = parameter_names(obj)
+        leading = names[: len(expected.params)]
+        if leading != list(expected.params):
+            problems.append(
+                f"{expected.target} now takes {names}, not {list(expected.params)} first; "
+                f"used by {expected.used_by}"
+            )
+        missing = [k for k in expected.keywords if k not in names]
+        if missing and not _accepts_any_keyword(getattr(obj, "func", obj)):
+            problems.append(
+                f"{expected.target} has no parameter {', '.join(missing)}; used by "
+                f"{expected.used_by}"
+            )
+    if expected.mentions:
+        source = inspect.getsource(obj)
+        for word in expected.mentions:
+            if not re.search(rf"\b{re.escape(word)}\b", source):
+                problems.append(
+                    f"{expected.target} no longer mentions {word}; used by {expected.used_by}"
+                )
+    return problems
+
+
+def _defined_methods(cls: type) -> dict[str, Any]:
+    """Functions, class/static methods and properties defined in the body of `cls` itself."""
+    kinds = (classmethod, staticmethod, property)
+    return {
+        name: value
+        for name, value in vars(cls).items()
+        if not (name.startswith("__") and name.endswith("__"))
+        and (inspect.isfunction(value) or isinstance(value, kinds))
+    }
+
+
+def override_problems(entry: Overriding) -> list[str]:
+    """Methods of our subclass that override nothing, or that cannot take what the base's callers
+    pass (a parameter name of the base missing, with no **kwargs to catch it)."""
+    ours, base = resolve(entry.ours), resolve(entry.base)
+    problems = []
+    hooks = dict(entry.hooks)
+    for name, value in sorted(_defined_methods(ours).items()):
+        if name in entry.adds:
+            continue
+        if name in hooks and not hasattr(base, name):
+            caller = Upstream(hooks[name], f"{entry.ours}.{name}", mentions=(name,))
+            problems += problems_with(caller)
+            continue
+        if not hasattr(base, name):
+            problems.append(
+                f"{entry.ours}.{name} overrides nothing: {entry.base} has no {name} (renamed "
+                f"upstream?); if it is ours alone, add it to `adds`"
+            )
+            continue
+        upstream = inspect.getattr_static(base, name)
+        if isinstance(value, property) or isinstance(upstream, property):
+            continue
+        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        up_func = getattr(upstream, "__func__", upstream)
+        if not callable(up_func):
+            continue
+        signature = inspect.signature(func)
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+            continue
+        missing = [n for n in parameter_names(up_func) if n not in signature.parameters]
+        missing = [n for n in missing if not n.startswith("*")]
+        up_params = inspect.signature(up_func).parameters
+        missing = [n for n in missing if up_params[n].kind not in (up_params[n].VAR_POSITIONAL,)]
+        if missing:
+            problems.append(
+                f"{entry.ours}.{name} does not take {', '.join(missing)}, which "
+                f"{entry.base}.{name} takes"
+            )
+    return problems
+
+
+# ---------------------------------------------------------------------- conventions (by example)
+
+# The input batch's host/device pairs that _share_host_buffers aliases in emulation: sampling
+# parameters whose device tensor is `name` and host tensor `name_cpu_tensor`.
+INPUT_BATCH_PAIRS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "frequency_penalties",
+    "presence_penalties",
+    "repetition_penalties",
+)
+
+
+def cpu_gpu_buffer_problems() -> list[str]:
+    import torch
+    from vllm.v1.utils import CpuGpuBuffer
+
+    buffer = CpuGpuBuffer(4, dtype=torch.int32, device=torch.device("cpu"), pin_memory=False)
+    return [
+        f"CpuGpuBuffer has no tensor .{side}: HPUModelRunner._share_host_buffers aliases it"
+        for side in ("cpu", "gpu")
+        if not isinstance(getattr(buffer, side, None), torch.Tensor)
+    ]
+
+
+def input_batch_problems() -> list[str]:
+    import torch
+    from vllm.v1.utils import CpuGpuBuffer
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    batch = InputBatch(
+        max_num_reqs=2,
+        max_model_len=32,
+        max_num_batched_tokens=32,
+        device=torch.device("cpu"),
+        vocab_size=64,
+        block_sizes=[16],
+        max_num_blocks_per_req=[2],
+    )
+    problems = [
+        f"InputBatch.{name} / {name}_cpu_tensor is no longer a device/host tensor pair: "
+        "HPUModelRunner._share_host_buffers would copy instead of alias it"
+        for name in INPUT_BATCH_PAIRS
+        if not (
+            isinstance(getattr(batch, name, None), torch.Tensor)
+            and isinstance(getattr(batch, f"{name}_cpu_tensor", None), torch.Tensor)
+        )
+    ]
+    for table in batch.block_table.block_tables:
+        buffers = {n for n, v in vars(table).items() if isinstance(v, CpuGpuBuffer)}
+        if not {"block_table", "slot_mapping"} <= buffers:
+            problems.append(
+                f"BlockTable's CpuGpuBuffers are {sorted(buffers)}, not block_table and "
+                "slot_mapping: HPUModelRunner._share_host_buffers aliases them"
+            )
+    return problems
+
+
+CONVENTIONS: dict[str, Callable[[], list[str]]] = {
+    "CpuGpuBuffer .cpu/.gpu": cpu_gpu_buffer_problems,
+    "InputBatch X/X_cpu_tensor pairs and block-table buffers": input_batch_problems,
+}
+
+
+# ------------------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("expected", UPSTREAM, ids=str)
+def test_upstream_name_still_exists_with_the_parameters_we_rely_on(expected):
+    problems = problems_with(expected)
+
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize("entry", OVERRIDING_CLASSES, ids=str)
+def test_every_method_of_our_subclass_overrides_one_of_vllm(emulated, entry):
+    problems = override_problems(entry)
+
+    assert problems == [], "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(CONVENTIONS))
+def test_host_buffer_sharing_convention_holds(name):
+    problems = CONVENTIONS[name]()
+
+    assert problems == [], "\n".join(problems)
+
+
+def test_slot_mapping_stand_in_takes_the_kernels_parameters_in_order():
+    from vllm_gaudi_platform import triton_overrides
+
+    kernel = resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel.kernel")
+    # Launched positionally (the names differ only by the kernel's `_ptr` suffixes), then the
+    # compile-time constants by name.
+    expected = [n.removesuffix("_ptr") for n in parameter_names(kernel)]
+
+    assert parameter_names(triton_overrides.compute_slot_mapping) == expected
+
+
+def test_guard_reports_a_method_renamed_away_upstream(monkeypatch):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    [expected] = [u for u in UPSTREAM if u.target == f"{RUNNER}._sync_device"]
+    monkeypatch.delattr(GPUModelRunner, "_sync_device")
+
+    [problem] = problems_with(expected)
+    assert "GPUModelRunner._sync_device is gone" in problem
+
+
+def test_guard_reports_a_renamed_parameter(monkeypatch):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    [expected] = [u for u in UPSTREAM if u.target.endswith("_maybe_get_memory_pool_context")]
+
+    def renamed(self, pool_tag: str) -> Any:
+        return None
+
+    monkeypatch.setattr(Worker, "_maybe_get_memory_pool_context", renamed)
+
+    [problem] = problems_with(expected)
+    assert "['pool_tag']" in problem and "['tag']" in problem
+
+
+def test_guard_reports_an_override_left_behind_by_an_upstream_rename(emulated, monkeypatch):
+    from vllm.platforms.interface import Platform
+
+    [entry] = [o for o in OVERRIDING_CLASSES if o.ours.endswith(":HpuPlatform")]
+    monkeypatch.delattr(Platform, "register_triton_kernel_overrides")
+
+    problems = override_problems(entry)
+
+    assert any(
+        "HpuPlatform.register_triton_kernel_overrides overrides nothing" in p for p in problems
+    )
+
+
+def test_guard_reports_a_broken_convention(monkeypatch):
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original = InputBatch.__init__
+
+    def without_top_k_pair(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        del self.top_k_cpu_tensor
+
+    monkeypatch.setattr(InputBatch, "__init__", without_top_k_pair)
+
+    [problem] = input_batch_problems()
+    assert "InputBatch.top_k" in problem
