@@ -1,1 +1,27 @@
-"""See the README."""
+"""KV connectors for vLLM on the HPU platform (see the README).
+
+`register_nixl` is the `hpu_nixl` entry point (group `vllm.general_plugins`): it registers
+`HpuNixlConnector` by name with vLLM's connector factory.
+"""
+
+from __future__ import annotations
+
+from vllm_gaudi_platform import plugins
+
+NIXL_CONNECTOR = ("HpuNixlConnector", "vllm_gaudi_connectors.nixl", "HpuNixlConnector")
+
+
+@plugins.general_plugin("hpu_nixl")
+def register_nixl() -> None:
+    """Register HpuNixlConnector with vLLM's KVConnectorFactory.
+
+    Does nothing when the platform is not HPU; logs one warning when the `nixl` package is
+    missing. The factory raises on a duplicate name and general plugins may run more than once
+    per process, so an existing registration is kept.
+    """
+    plugins.require("nixl", "nixl", "vllm-gaudi-connectors[nixl]")
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    name, module, cls = NIXL_CONNECTOR
+    if name not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(name, module, cls)

@@ -127,7 +127,56 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest sample, tokens")
     parser.add_argument("--dtype", default="auto", help="model dtype (default: the model's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default: sized from device memory, as vLLM does)",
+    )
     parser.set_defaults(run=_calibrate)
+
+
+PROXY_MISSING = (
+    "vllm-gaudi proxy is part of the vllm-gaudi-connectors wheel: pip install vllm-gaudi-connectors"
+)
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_gaudi_connectors") is None:
+        print(f"error: {PROXY_MISSING}", file=sys.stderr)
+        return 2
+    proxy = importlib.import_module("vllm_gaudi_connectors.proxy")
+    try:
+        return proxy.serve(args.prefill, args.decode, args.port, args.host, args.timeout)
+    except ValueError as exc:  # a bad --prefill/--decode list: one line
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_proxy(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "proxy",
+        help="one endpoint in front of prefill and decode instances (disaggregated serving)",
+        description=(
+            "Serves /v1/completions and /v1/chat/completions: each request is prefilled on a "
+            "prefill instance (one token, KV kept for a remote decode), then generated on a "
+            "decode instance that pulls the KV blocks through HpuNixlConnector; instances of "
+            "each kind are used round robin. Needs vllm-gaudi-connectors."
+        ),
+    )
+    parser.add_argument("--prefill", required=True, help="prefill URLs, comma-separated")
+    parser.add_argument("--decode", required=True, help="decode URLs, comma-separated")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a prefill or decode instance may take before the request fails (504)",
+    )
+    parser.set_defaults(run=_proxy)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_doctor(subparsers)
     _add_demo(subparsers)
     _add_calibrate(subparsers)
+    _add_proxy(subparsers)
     return parser
 
 

@@ -354,13 +354,53 @@ def _check_optional(report: Report, wheels: list[Wheel]) -> None:
                     "version": version,
                 }
             )
-            if found:
+            if found and dep.import_name == "nixl":
+                _check_nixl_backend(report, version)
+            elif found:
                 report.info.append(f"{dep.package} {version or ''} found: {dep.enables} available")
             else:
                 report.info.append(
                     f"{dep.package} (import {dep.import_name}) not installed: {dep.enables} is "
                     f"off; {dep.install}"
                 )
+
+
+# Run in a child interpreter: loading NIXL's agent imports torch and native plugins, which doctor
+# keeps out of its own process.
+_NIXL_PROBE = """
+from nixl._api import nixl_agent, nixl_agent_config
+agent = nixl_agent("vllm-gaudi-doctor", nixl_agent_config(backends=["UCX"]))
+print("UCX" in agent.get_plugin_list() and "UCX" in agent.backends)
+"""
+
+
+def _check_nixl_backend(report: Report, version: str | None) -> None:
+    """Whether nixl loads and instantiates its UCX backend (what HpuNixlConnector uses)."""
+    import subprocess
+    import sys
+
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", _NIXL_PROBE],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        lines = probe.stdout.strip().splitlines()
+        ok = probe.returncode == 0 and bool(lines) and lines[-1] == "True"
+        detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        ok, detail = False, repr(exc)
+    if ok:
+        report.info.append(
+            f"nixl {version or ''} found, UCX backend loads: the NIXL KV connector is available"
+        )
+    else:
+        report.problems.append(
+            f"nixl {version or ''} is installed but its UCX backend does not load ({detail}); "
+            "reinstall with pip install --force-reinstall 'vllm-gaudi-connectors[nixl]'"
+        )
 
 
 def collect() -> Report:
