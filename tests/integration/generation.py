@@ -80,13 +80,21 @@ def run_engine(
 
 
 def hf_greedy(
-    model: str, prompts: list[list[int]], max_tokens: int = 12, dtype: str = "float32"
+    model: str,
+    prompts: list[list[int]],
+    max_tokens: int = 12,
+    dtype: str = "float32",
+    attn_implementation: str | None = None,
 ) -> list[dict]:
-    """Greedy continuation with transformers, one prompt at a time (no padding effects)."""
+    """Greedy continuation with transformers, one prompt at a time (no padding effects).
+    `attn_implementation="eager"` for models whose attention transformers' SDPA path does not
+    implement (Gemma 2's logit soft-capping)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=getattr(torch, dtype)).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        model, torch_dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+    ).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos=True on the vLLM side
     results = []
     with torch.no_grad():

@@ -22,25 +22,40 @@ def _emulation(monkeypatch):
     monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
 
 
-def _impl():
+def _impl(window=None, softcap=None):
     from vllm_gaudi_platform.attention import HPUAttentionImpl
 
-    return HPUAttentionImpl(HEADS, DIM, 1 / math.sqrt(DIM), num_kv_heads=KV_HEADS)
+    return HPUAttentionImpl(
+        HEADS,
+        DIM,
+        1 / math.sqrt(DIM),
+        num_kv_heads=KV_HEADS,
+        sliding_window=window,
+        logits_soft_cap=softcap,
+    )
 
 
-def _reference(q, k_all, v_all, ctx):
-    """Causal attention of q (new tokens at positions ctx..) over k_all/v_all (positions 0..)."""
+def _reference(q, k_all, v_all, ctx, window=None, softcap=None):
+    """Causal attention of q (new tokens at positions ctx..) over k_all/v_all (positions 0..), in
+    float64: keys at least `window` positions behind a query are masked; with `softcap`, scores
+    become softcap * tanh(scores / softcap) before the softmax."""
     group = HEADS // KV_HEADS
-    k = k_all.repeat_interleave(group, dim=1)
-    v = v_all.repeat_interleave(group, dim=1)
+    q = q.double()
+    k = k_all.double().repeat_interleave(group, dim=1)
+    v = v_all.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(DIM)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     qpos = torch.arange(q.shape[0])[:, None] + ctx
-    mask = torch.arange(k.shape[0])[None, :] <= qpos
+    kpos = torch.arange(k.shape[0])[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= qpos - kpos < window
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-def _run(query_lens, ctx_lens, plan, seed=0, dtype=torch.float32):
+def _run(query_lens, ctx_lens, plan, seed=0, dtype=torch.float32, window=None, softcap=None):
     """Run one step through the backend; return its outputs and the reference per request."""
     from vllm_gaudi_platform.attention import build_metadata
 
@@ -93,9 +108,12 @@ def _run(query_lens, ctx_lens, plan, seed=0, dtype=torch.float32):
     )
     out = torch.zeros(total, HEADS * DIM, dtype=dtype)
     kv_cache = kv_cache.to(dtype)
-    _impl().forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
+    impl = _impl(window, softcap)
+    impl.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
     refs = [
-        _reference(queries[i], full_k[i], full_v[i], ctx_lens[i]).reshape(query_lens[i], -1)
+        _reference(queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap).reshape(
+            query_lens[i], -1
+        )
         for i in range(n)
     ]
     return out[:real].float(), torch.cat(refs), layout
@@ -169,3 +187,54 @@ def test_packed_context_buckets_extend_single_row_context_fourfold():
 def test_bucket_file_plans_are_not_extended():
     plan = BucketPlan(strategy="file", prompt=(Bucket("prompt", 1, 64, 2),), decode=())
     assert step_layout.with_packed_context(plan) is plan
+
+
+# ----------------------------------------------------------------------------- sliding window
+# Windows shorter than the sequences, so the window really cuts: inside one block (5), across
+# blocks (20, BLOCK = 16), and in prefill rows, with context, packed rows and decode.
+@pytest.mark.parametrize("window", [5, 20])
+def test_windowed_prefill_with_context_matches_reference(window):
+    plan = _plan(prompt=[(2, 16, 4)])
+    out, ref, _ = _run([7, 16], [40, 16], plan, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [5, 20])
+def test_windowed_packed_prefill_keeps_sequences_apart(window):
+    plan = _plan(prompt=[(1, 64, 4)])
+    out, ref, layout = _run([5, 17, 30], [0, 0, 0], plan, window=window)
+    assert layout.prefill.rows == 1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [5, 20])
+def test_windowed_paged_decode_masks_slots_and_whole_blocks_behind_the_window(window):
+    plan = _plan(decode=[(4, 1, 8)])
+    out, ref, _ = _run([1, 1, 1], [3, 20, 50], plan, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_window_longer_than_every_sequence_changes_nothing():
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    windowed, _, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=4096)
+    plain, _, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan)
+    torch.testing.assert_close(windowed, plain)
+
+
+def test_a_window_that_cuts_changes_the_result():
+    # The reference check above could pass vacuously if no window cut anything.
+    plan = _plan(decode=[(4, 1, 8)])
+    windowed, _, _ = _run([1, 1, 1], [3, 20, 50], plan, window=5)
+    plain, _, _ = _run([1, 1, 1], [3, 20, 50], plan)
+    assert not torch.allclose(windowed[1:], plain[1:], atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- soft-capping
+@pytest.mark.parametrize("window", [None, 20])
+def test_softcapped_mixed_step_matches_reference(window):
+    # Scores of random unit-variance q/k reach ~ +-10; a cap of 5 bends them strongly.
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    out, ref, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=window, softcap=5.0)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    uncapped, _, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=window)
+    assert not torch.allclose(out, uncapped, atol=1e-3)

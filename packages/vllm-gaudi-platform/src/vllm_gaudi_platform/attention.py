@@ -17,7 +17,7 @@ each padded to a warmed bucket, so every tensor shape below depends only on the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -67,7 +67,7 @@ class HPUAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
-        return False
+        return True
 
 
 @dataclass
@@ -87,6 +87,37 @@ class HPUAttentionMetadata:
     decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
     decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
     decode_block_bias: torch.Tensor | None = None  # [num_blocks_bucket, block_size] 0 / -inf
+    # Absolute positions, for layers with a sliding window (masks built per window on first use)
+    prefill_q_pos: torch.Tensor | None = None  # [rows, q_bucket]
+    prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
+    decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
+    decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
+    _windowed: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def prefill_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The prefill mask, narrowed to keys less than `window` positions behind each query."""
+        if window is None or self.prefill_mask is None:
+            return self.prefill_mask
+        key = ("prefill", window)
+        if key not in self._windowed:
+            assert self.prefill_q_pos is not None and self.prefill_k_pos is not None
+            near = self.prefill_q_pos[:, :, None] - self.prefill_k_pos[:, None, :] < window
+            self._windowed[key] = self.prefill_mask & near[:, None]
+        return self._windowed[key]
+
+    def decode_bias_for(self, window: int | None) -> torch.Tensor | None:
+        """The decode slot bias with -inf also on slots `window` or more positions behind."""
+        if window is None or self.decode_block_bias is None:
+            return self.decode_block_bias
+        key = ("decode", window)
+        if key not in self._windowed:
+            assert self.decode_block_start is not None and self.decode_query_pos is not None
+            block_size = self.decode_block_bias.shape[1]
+            slot = torch.arange(block_size, device=self.decode_block_bias.device)
+            pos = self.decode_block_start[:, None] + slot[None, :]
+            far = self.decode_query_pos[:, None] - pos >= window
+            self._windowed[key] = self.decode_block_bias.masked_fill(far, float("-inf"))
+        return self._windowed[key]
 
 
 class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
@@ -218,6 +249,8 @@ def build_metadata(
         mask[pad[0], pad[1], cb * block_size + pad[1]] = True
         md.prefill_ctx_blocks = torch.from_numpy(ctx_blocks).to(device)
         md.prefill_mask = mask[:, None].to(device)
+        md.prefill_q_pos = q_pos_t.to(device)
+        md.prefill_k_pos = k_pos_t.to(device)
 
     decode = layout.decode
     if decode is not None:
@@ -243,6 +276,12 @@ def build_metadata(
         unused = np.arange(block_size)[None, :] >= usage[:, None]
         bias = np.where(unused, np.float32(-np.inf), np.float32(0.0))
         md.decode_block_bias = torch.from_numpy(bias).to(device)
+        start = np.zeros(nb, dtype=np.int64)
+        start[:used] = j * block_size
+        query_pos = np.zeros(nb, dtype=np.int64)
+        query_pos[:used] = lens[m_rep] - 1
+        md.decode_block_start = torch.from_numpy(start).to(device)
+        md.decode_query_pos = torch.from_numpy(query_pos).to(device)
 
     # Padding cells take the padding token indices at the tail, in order: a permutation.
     free = cell_to_token < 0
@@ -282,6 +321,23 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) ->
     return buf
 
 
+def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping, [batch, heads, len, dim] layouts.
+
+    Gaudi's fused SDPA has no soft-cap input, so this path runs as plain matmul, tanh and softmax
+    ops (fused by Gaudi's graph compiler); scores are computed in float32.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
 class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
     def __init__(
         self,
@@ -299,15 +355,15 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
     ) -> None:
         if alibi_slopes is not None:
             raise NotImplementedError("ALiBi attention is not supported on HPU by vllm-gaudi yet.")
-        if sliding_window is not None:
-            raise NotImplementedError("Sliding-window attention is not supported on HPU yet.")
-        if logits_soft_cap:
-            raise NotImplementedError("Attention logits soft-capping is not supported on HPU yet.")
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"Attention type {attn_type} is not supported on HPU yet.")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
+        # A query attends keys fewer than `sliding_window` positions behind it (itself included).
+        self.sliding_window = sliding_window
+        # Gemma 2 style: scores -> cap * tanh(scores / cap) before the softmax.
+        self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         # FP8 cache: writes quantize with the layer's k/v scale, reads dequantize with it.
@@ -425,13 +481,12 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 k_ctx, v_ctx = ctx[..., :d], ctx[..., d:]
             k = torch.cat([k_ctx, k], dim=1)
             v = torch.cat([v_ctx, v], dim=1)
-        out = self.seam.fused_sdpa(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=md.prefill_mask,
-            scale=self.scale,
-        )
+        mask = md.prefill_mask_for(self.sliding_window)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.logits_soft_cap is None:
+            out = self.seam.fused_sdpa(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            out = _softcapped_attention(q, k, v, mask, self.scale, self.logits_soft_cap)
         return out.transpose(1, 2).reshape(rows * qb, h, d)
 
     def _decode(self, q, blocks_view, block_size, md, layer=None):
@@ -458,7 +513,10 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         scores = torch.empty(hk, nb, g, block_size, device=q.device)
         for k in range(hk):
             torch.bmm(qb[:, k], kv[:, :, k, :d].transpose(1, 2), out=scores[k])
-        scores += md.decode_block_bias[:, None, :]  # unused slots: -inf
+        if self.logits_soft_cap is not None:
+            cap = self.logits_soft_cap
+            scores.div_(cap).tanh_().mul_(cap)
+        scores += md.decode_bias_for(self.sliding_window)[:, None, :]  # unused slots: -inf
         # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
         block_max = scores.amax(dim=-1)  # [hk, nb, g]
         seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=q.device)
