@@ -119,3 +119,94 @@ def gptq_config(group_size: int, *, sym: bool, desc_act: bool) -> dict:
         "sym": sym,
         "checkpoint_format": "gptq",
     }
+
+
+# ----------------------------------------------------------------------------- compressed-tensors
+def pack_ct_wna16(qt: Quantized, *, sym: bool) -> dict[str, torch.Tensor]:
+    """compressed-tensors pack-quantized: eight values per int32 along the input dim ([N, K/8]),
+    each stored as signed value + 8 (so the unsigned 0..15 values here are stored as they are);
+    zero points the same way, packed along the output dim ([N/8, G]); scales [N, G]."""
+    n, k = qt.q.shape[1], qt.q.shape[0]
+    out = {
+        "weight_packed": pack_along_last(qt.q.t().contiguous()),
+        "weight_scale": qt.scales.t().contiguous(),
+        "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+    }
+    if not sym:
+        out["weight_zero_point"] = pack_along_last(qt.zeros).t().contiguous()
+    return out
+
+
+def ct_wna16_config(group_size: int, *, sym: bool) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": sym,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "dynamic": False,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+FP8_MAX = 448.0  # E4M3 as checkpoints are written (the OCP range)
+
+
+@dataclass
+class Fp8Weight:
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N, 1] (channel) or [1] (tensor)
+
+
+def quantize_fp8(weight: torch.Tensor, *, per_channel: bool) -> Fp8Weight:
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax().reshape(1, 1)
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(q, scale if per_channel else scale.reshape(1))
+
+
+def dequantize_fp8(fw: Fp8Weight) -> torch.Tensor:
+    scale = fw.scale if fw.scale.dim() == 2 else fw.scale.reshape(1, 1)
+    return fw.weight.float() * scale
+
+
+def ct_fp8_config(*, per_channel: bool, dynamic: bool) -> dict:
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "channel" if per_channel else "tensor",
+                    "dynamic": False,
+                },
+                "input_activations": {
+                    "num_bits": 8,
+                    "type": "float",
+                    "symmetric": True,
+                    "strategy": "token" if dynamic else "tensor",
+                    "dynamic": dynamic,
+                },
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }

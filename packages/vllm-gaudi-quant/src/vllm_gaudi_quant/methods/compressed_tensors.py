@@ -1,0 +1,342 @@
+"""compressed-tensors checkpoints on the HPU platform (vLLM's `compressed-tensors` method).
+
+vLLM's CompressedTensorsConfig parses the checkpoint (config groups, targets, ignore lists, KV
+cache scheme); this subclass only swaps the per-layer schemes for ones that run on Gaudi:
+
+- W8A8-FP8 (`float-quantized` / `naive-quantized`, 8-bit float weights and activations), weight
+  strategy `channel` or `tensor`, activations static per tensor or dynamic per token: FP8 weights
+  kept, forward through `methods.fp8.apply_fp8_linear` (Gaudi's `fp8_gemm_v2`). Per-tensor scales
+  of fused shards (q/k/v, gate/up) become one scale per output channel: no requantization.
+- WNA16 with 4-bit integer weights (`pack-quantized`), symmetric or not, `group` or `channel`
+  strategy: repacked once into `convert_from_uint4`'s layout (see `methods/uint4.py`).
+  compressed-tensors packs eight values along the INPUT dim ([N, K/8]) in offset form (stored =
+  signed value + 8, zero points too), so the stored values subtract exactly like unsigned ones
+  and a symmetric layer's zero point is 8.
+
+Any other scheme is refused when the model is built, naming the layer and what runs on HPU.
+MoE layers of compressed-tensors checkpoints are not supported yet (refused the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
+from torch.nn import Parameter
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+    CompressedTensorsConfig,
+)
+from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+    CompressedTensorsScheme,
+)
+from vllm.model_executor.parameter import (
+    BasevLLMParameter,
+    ChannelQuantScaleParameter,
+    GroupQuantScaleParameter,
+    ModelWeightParameter,
+    PackedColumnParameter,
+    PackedvLLMParameter,
+    PerTensorScaleParameter,
+)
+
+from vllm_gaudi_quant.methods import fp8
+from vllm_gaudi_quant.methods.uint4 import (
+    PACK,
+    dequantize,
+    pack_cols,
+    replace_parameter,
+    unpack_cols,
+    unpack_rows,
+)
+
+logger = init_logger(f"vllm.{__name__}")
+
+NAME = "compressed-tensors"
+SUPPORTED = (
+    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations) and 4-bit WNA16 "
+    "pack-quantized (group or channel, symmetric or not)"
+)
+SYMMETRIC_ZERO = 8  # the offset compressed-tensors adds to signed 4-bit values when packing
+
+
+class HpuCompressedTensorsConfig(CompressedTensorsConfig):
+    """compressed-tensors on HPU: vLLM's parsing, Gaudi's kernels."""
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # a CUDA notion; Gaudi has none
+
+    @staticmethod
+    def _check_scheme_supported(
+        min_capability: int, error: bool = True, match_exact: bool = False
+    ) -> bool:
+        return True  # the schemes below are Gaudi's; CUDA compute capability does not apply
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, RoutedExperts):
+            raise ValueError(
+                f"compressed-tensors checkpoint: layer {prefix!r} is a mixture of experts, which "
+                "compressed-tensors does not run on HPU yet; use an fp8 or GPTQ/AWQ checkpoint "
+                "for MoE models."
+            )
+        return super().get_quant_method(layer, prefix)
+
+    def _get_scheme_from_parts(  # type: ignore[override]
+        self,
+        weight_quant: QuantizationArgs,
+        input_quant: QuantizationArgs | None,
+        output_quant: QuantizationArgs | None = None,
+        format: str | None = None,
+        layer_name: str | None = None,
+    ) -> CompressedTensorsScheme:
+        format = format if format is not None else self.quant_format
+        if output_quant is None and _is_fp8_w8a8(weight_quant, input_quant):
+            return HpuW8A8Fp8(
+                per_channel=weight_quant.strategy == QuantizationStrategy.CHANNEL,
+                static_input=not input_quant.dynamic,  # type: ignore[union-attr]
+            )
+        if (
+            output_quant is None
+            and format == "pack-quantized"
+            and input_quant is None
+            and weight_quant.type == QuantizationType.INT
+            and weight_quant.num_bits == 4
+            and not weight_quant.dynamic
+            and weight_quant.actorder in (None, "static")
+            and weight_quant.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
+        ):
+            group = weight_quant.group_size
+            return HpuWNA16Uint4(
+                group_size=-1 if weight_quant.strategy == QuantizationStrategy.CHANNEL else group,
+                symmetric=bool(weight_quant.symmetric),
+            )
+        raise ValueError(
+            f"compressed-tensors checkpoint: layer {layer_name!r} uses a scheme HPU does not run "
+            f"(weights {_describe(weight_quant)}, activations {_describe(input_quant)}, format "
+            f"{format}); supported on HPU: {SUPPORTED}."
+        )
+
+
+def _describe(args: QuantizationArgs | None) -> str:
+    if args is None:
+        return "not quantized"
+    return f"{args.type} {args.num_bits}-bit {args.strategy}" + (" dynamic" if args.dynamic else "")
+
+
+def _is_fp8_w8a8(weight: QuantizationArgs, inputs: QuantizationArgs | None) -> bool:
+    if inputs is None or weight.type != QuantizationType.FLOAT or weight.num_bits != 8:
+        return False
+    if inputs.type != QuantizationType.FLOAT or inputs.num_bits != 8 or not weight.symmetric:
+        return False
+    if weight.dynamic or weight.strategy not in (
+        QuantizationStrategy.CHANNEL,
+        QuantizationStrategy.TENSOR,
+    ):
+        return False
+    if inputs.dynamic:
+        return inputs.strategy in (QuantizationStrategy.TOKEN, QuantizationStrategy.TENSOR)
+    return bool(inputs.symmetric) and inputs.strategy == QuantizationStrategy.TENSOR
+
+
+class HpuW8A8Fp8(CompressedTensorsScheme):
+    """FP8 weights and activations through Gaudi's FP8 GEMM (`apply_fp8_linear`)."""
+
+    def __init__(self, per_channel: bool, static_input: bool) -> None:
+        self.per_channel = per_channel
+        self.static_input = static_input
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        output_partition_sizes: list[int],
+        input_size_per_partition: int,
+        params_dtype: torch.dtype,
+        weight_loader: Callable,
+        **kwargs: Any,
+    ) -> None:
+        n = sum(output_partition_sizes)
+        layer.logical_widths = output_partition_sizes
+        layer.register_parameter(
+            "weight",
+            ModelWeightParameter(
+                data=torch.empty(n, input_size_per_partition, dtype=fp8.FP8_DTYPE),
+                input_dim=1,
+                output_dim=0,
+                weight_loader=weight_loader,
+            ),
+        )
+        if self.per_channel:
+            scale: BasevLLMParameter = ChannelQuantScaleParameter(
+                data=torch.empty(n, 1, dtype=torch.float32),
+                output_dim=0,
+                weight_loader=weight_loader,
+            )
+        else:
+            # One scale per fused shard (q/k/v, gate/up), as the checkpoint stores them.
+            scale = PerTensorScaleParameter(
+                data=torch.full((len(output_partition_sizes),), torch.nan),
+                weight_loader=weight_loader,
+            )
+        layer.register_parameter("weight_scale", scale)
+        if self.static_input:
+            layer.register_parameter(
+                "input_scale",
+                PerTensorScaleParameter(
+                    data=torch.full((len(output_partition_sizes),), torch.nan),
+                    weight_loader=weight_loader,
+                ),
+            )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if self.per_channel:
+            scale = layer.weight_scale.data.reshape(-1).float()
+        else:
+            # Each shard's tensor scale, repeated over that shard's output rows.
+            widths = torch.tensor(layer.logical_widths)
+            scale = layer.weight_scale.data.float().repeat_interleave(widths)
+        weight = layer.weight.data
+        factor = fp8._device_range_factor()
+        if factor != 1.0:
+            # Gaudi 2's E4M3 ends at 240: move the checkpoint's 448-range weights into it.
+            weight = (weight.float() / factor).to(fp8.FP8_DTYPE)
+            scale = scale * factor
+        replace_parameter(layer, "weight", weight.t().contiguous())  # [K, N] for fp8_gemm_v2
+        replace_parameter(layer, "weight_scale", scale)
+        if self.static_input:
+            scales = layer.input_scale.data
+            if torch.isnan(scales).any():
+                raise ValueError(
+                    "compressed-tensors checkpoint with static activations has no input_scale "
+                    "for a layer; re-export it with activation scales or use dynamic activations."
+                )
+            replace_parameter(layer, "input_scale", scales.max().float())
+        else:
+            layer.input_scale = None
+
+    def apply_weights(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return fp8.apply_fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+
+class HpuWNA16Uint4(CompressedTensorsScheme):
+    """4-bit integer weights, float activations: dequantize with `convert_from_uint4`, matmul."""
+
+    def __init__(self, group_size: int, symmetric: bool) -> None:
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        output_size: int,
+        input_size: int,
+        output_partition_sizes: list[int],
+        input_size_per_partition: int,
+        params_dtype: torch.dtype,
+        weight_loader: Callable,
+        **kwargs: Any,
+    ) -> None:
+        n = sum(output_partition_sizes)
+        group_size = self.group_size if self.group_size != -1 else input_size
+        if input_size_per_partition % PACK or n % PACK:
+            raise ValueError(
+                f"compressed-tensors 4-bit layer of {input_size_per_partition} inputs and {n} "
+                f"outputs: both must be multiples of {PACK} on HPU; lower the tensor parallel size."
+            )
+        row_parallel = input_size != input_size_per_partition
+        # One group over a row-parallel shard: every rank keeps the whole group's scale.
+        replicate = row_parallel and self.group_size == -1
+        if not replicate and input_size_per_partition % group_size:
+            raise ValueError(
+                f"compressed-tensors layer with {input_size_per_partition} inputs per rank is not "
+                f"a multiple of its group size {group_size}; lower the tensor parallel size."
+            )
+        groups = (input_size if replicate else input_size_per_partition) // group_size
+        layer.register_parameter(
+            "weight_packed",
+            PackedvLLMParameter(
+                data=torch.empty(n, input_size_per_partition // PACK, dtype=torch.int32),
+                input_dim=1,
+                output_dim=0,
+                packed_dim=1,
+                packed_factor=PACK,
+                weight_loader=weight_loader,
+            ),
+        )
+        scales = torch.empty(n, groups, dtype=params_dtype)
+        zeros = torch.zeros(n // PACK, groups, dtype=torch.int32)
+        if replicate:
+            layer.register_parameter(
+                "weight_scale",
+                ChannelQuantScaleParameter(data=scales, output_dim=0, weight_loader=weight_loader),
+            )
+            zero_param: BasevLLMParameter = PackedColumnParameter(
+                data=zeros,
+                output_dim=0,
+                packed_dim=0,
+                packed_factor=PACK,
+                weight_loader=weight_loader,
+            )
+        else:
+            layer.register_parameter(
+                "weight_scale",
+                GroupQuantScaleParameter(
+                    data=scales, input_dim=1, output_dim=0, weight_loader=weight_loader
+                ),
+            )
+            zero_param = PackedvLLMParameter(
+                data=zeros,
+                input_dim=1,
+                output_dim=0,
+                packed_dim=0,
+                packed_factor=PACK,
+                weight_loader=weight_loader,
+            )
+        if not self.symmetric:
+            layer.register_parameter("weight_zero_point", zero_param)
+        layer.register_parameter(
+            "weight_shape",
+            BasevLLMParameter(data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader),
+        )
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        # [N, K/8] packed along K -> values [K, N] -> packed along N, [K, N/8].
+        values = unpack_cols(layer.weight_packed.data).t()
+        scales = layer.weight_scale.data.t().contiguous()  # [G, N]
+        if self.symmetric:
+            zeros = torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int32)
+        else:
+            zeros = unpack_rows(layer.weight_zero_point.data).t()  # [N/8, G] along N -> [G, N]
+            del layer.weight_zero_point
+        for name in ("weight_packed", "weight_scale", "weight_shape"):
+            delattr(layer, name)
+        layer.register_parameter("qweight", Parameter(pack_cols(values), requires_grad=False))
+        layer.register_parameter("qzeros", Parameter(pack_cols(zeros), requires_grad=False))
+        layer.register_parameter("scales", Parameter(scales, requires_grad=False))
+
+    def apply_weights(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        weight = dequantize(layer, x.dtype)
+        out = torch.matmul(x.reshape(-1, x.shape[-1]), weight)
+        if bias is not None:
+            out.add_(bias)
+        return out.reshape(*x.shape[:-1], weight.shape[1])
