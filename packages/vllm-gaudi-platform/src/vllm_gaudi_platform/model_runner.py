@@ -167,7 +167,9 @@ class HPUModelRunner(GPUModelRunner):
         if load_dummy_weights:
             raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
         logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
-        self.model = model if model is not None else get_model(vllm_config=self.vllm_config)
+        # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
+        loaded: Any = model if model is not None else get_model(vllm_config=self.vllm_config)
+        self.model = loaded
         # A quantization method may transform the loaded model before warmup (INC FP8 patches its
         # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
         after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)
