@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from vllm_gaudi_platform import cli, compat, doctor
+from vllm_gaudi_platform import cli, compat, doctor, envs
 
 JSON_KEYS = {"wheels", "entry_points", "vllm_plugins", "device", "versions", "problems", "ok"}
 
@@ -286,3 +286,34 @@ def test_console_script_prints_json_and_exit_status_matches_ok(console_script, c
     report = json.loads(result.stdout)
     assert report.keys() >= JSON_KEYS
     assert result.returncode == (0 if report["ok"] else 1), result.stderr
+
+
+def test_settings_lists_only_variables_that_differ_from_their_defaults(capsys, monkeypatch):
+    for name in envs.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    monkeypatch.setenv("VLLM_BUCKETING_STRATEGY", "lin")
+    monkeypatch.setenv("VLLM_DECODE_BS_BUCKET_MAX", "64")
+    monkeypatch.setenv("VLLM_SKIP_WARMUP", "false")  # its default: not listed
+    monkeypatch.setenv("VLLM_PROMPT_BS_BUCKET_MIN", "")  # set but empty means unset
+
+    _, report = doctor_json(capsys)
+
+    assert report["settings"] == [
+        {"name": "VLLM_BUCKETING_STRATEGY", "value": "lin", "default": "exp"},
+        {"name": "VLLM_DECODE_BS_BUCKET_MAX", "value": "64", "default": None},
+        {"name": "VLLM_HPU_EMULATION", "value": "cpu", "default": None},
+    ]
+
+
+def test_text_output_shows_each_changed_setting_with_its_default(capsys, monkeypatch):
+    for name in envs.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    monkeypatch.setenv("VLLM_GRAPH_RESERVED_MEM", "0.2")
+
+    _, out = run_doctor(capsys)
+
+    assert "VLLM_GRAPH_RESERVED_MEM=0.2 (default 0.1)" in out
+    assert "VLLM_HPU_EMULATION=cpu (default unset)" in out
+    assert "VLLM_SKIP_WARMUP" not in out

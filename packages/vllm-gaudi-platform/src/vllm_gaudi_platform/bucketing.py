@@ -110,30 +110,24 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
 
-from vllm_gaudi_platform.envs import EnvError
+# The variables are declared (with their meaning) in envs.py, the one list of settings.
+from vllm_gaudi_platform.envs import (
+    BUCKET_PARAMS as PARAMS,
+)
+from vllm_gaudi_platform.envs import (
+    BUCKET_VARIABLES,
+    LEGACY_QUERY_VARIABLES,
+    VLLM_BUCKETING_FROM_FILE,
+    VLLM_BUCKETING_STRATEGY,
+    VLLM_EXPONENTIAL_BUCKETING,
+    EnvError,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")
-
-VLLM_BUCKETING_STRATEGY = "VLLM_BUCKETING_STRATEGY"
-VLLM_BUCKETING_FROM_FILE = "VLLM_BUCKETING_FROM_FILE"
-VLLM_EXPONENTIAL_BUCKETING = "VLLM_EXPONENTIAL_BUCKETING"  # deprecated by Intel, still honoured
 
 STRATEGIES = ("exp", "lin", "pad")
 DEFAULT_STRATEGY = "exp"
 FILE_STRATEGY = "file"
-
-PARAMS = ("MIN", "STEP", "MAX", "PAD_MAX", "PAD_PERCENT")
-DIMENSIONS = (
-    ("PROMPT", "BS"),
-    ("PROMPT", "QUERY"),
-    ("PROMPT", "CTX"),
-    ("DECODE", "BS"),
-    ("DECODE", "BLOCK"),
-)
-# Every VLLM_{PHASE}_{DIM}_BUCKET_{PARAM} that means something (the module docstring has the table).
-BUCKET_VARIABLES = tuple(f"VLLM_{p}_{d}_BUCKET_{param}" for p, d in DIMENSIONS for param in PARAMS)
-# Intel's deprecated names for VLLM_PROMPT_QUERY_BUCKET_*, read when the new name is unset.
-LEGACY_QUERY_VARIABLES = tuple(f"VLLM_PROMPT_SEQ_BUCKET_{param}" for param in PARAMS)
 
 DEFAULT_PAD_PERCENT = 25
 MAX_PAD_PERCENT = 50

@@ -97,6 +97,8 @@ class Report:
     device: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, dict[str, Any]] = field(default_factory=dict)
     optional: list[dict[str, Any]] = field(default_factory=list)
+    # Our settings (envs.VARIABLES) in effect that differ from their defaults.
+    settings: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
 
@@ -403,6 +405,13 @@ def _check_nixl_backend(report: Report, version: str | None) -> None:
         )
 
 
+def _check_settings(report: Report) -> None:
+    report.settings = [
+        {"name": name, "value": value, "default": envs.VARIABLES[name].default}
+        for name, value in sorted(envs.non_default().items())
+    ]
+
+
 def collect() -> Report:
     """Run every check against the installed metadata and the environment."""
     report = Report()
@@ -416,6 +425,7 @@ def collect() -> Report:
     _check_device(report)
     _check_versions(report)
     _check_optional(report, wheels)
+    _check_settings(report)
     return report
 
 
@@ -454,6 +464,12 @@ def render(report: Report) -> str:
         )
         verdict = "ok" if v["ok"] else "OUT OF RANGE" if v["found"] else "MISSING"
         lines.append(f"  {package:<12}  {found}{dist}, supported {v['supported']}: {verdict}")
+    if not report.settings:
+        lines.append("  settings      all defaults")
+    for setting in report.settings:
+        default = "unset" if setting["default"] is None else setting["default"]
+        text = f"{setting['name']}={setting['value']} (default {default})"
+        lines += _wrap(text, "  settings      ", " " * 16)
     for line in report.info:
         lines += _wrap(line, "  info          ", " " * 16)
     if report.problems:

@@ -1,13 +1,17 @@
-"""Every environment variable the Gaudi plugins read, with its default and meaning.
+"""Every environment variable the Gaudi plugins read, with its type, default and meaning.
 
 Reading a variable goes through this module so that a bad value fails in one place, with a message
-that names the variable and the fix. Importing it is cheap: no torch, no vllm.
+that names the variable and the fix. Importing it is cheap: no torch, no vllm. `VARIABLES` is the
+one list: the README's settings table and `vllm-gaudi doctor` are checked against it, so a
+variable read anywhere in the wheels is declared here (the bucketing variables too; bucketing.py
+validates them against the engine limits). vLLM's own variables (VLLM_PLUGINS, ...) are not ours
+and stay out.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -18,8 +22,12 @@ class EnvError(ValueError):
 @dataclass(frozen=True)
 class EnvVar:
     name: str
-    default: str | None
+    default: str | None  # None: unset (or derived, as the doc says)
     doc: str
+    kind: str = "str"  # how the value is read: one of KINDS
+
+
+KINDS = ("str", "bool", "int", "float", "path", "choice")
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -28,8 +36,10 @@ _FALSE = {"0", "false", "no", "off", ""}
 VARIABLES: dict[str, EnvVar] = {}
 
 
-def _declare(name: str, default: str | None, doc: str) -> str:
-    VARIABLES[name] = EnvVar(name, default, doc)
+def _declare(name: str, default: str | None, doc: str, kind: str = "str") -> str:
+    if kind not in KINDS:
+        raise ValueError(f"{name}: kind {kind!r} is not one of {KINDS}")
+    VARIABLES[name] = EnvVar(name, default, doc, kind)
     return name
 
 
@@ -38,6 +48,7 @@ VLLM_HPU_EMULATION = _declare(
     None,
     "Run the HPU platform without a Gaudi. 'cpu' emulates the Gaudi kernels in torch on the CPU. "
     "Unset or empty: use a real Gaudi if one is present, otherwise stay inactive.",
+    kind="choice",
 )
 HABANA_VISIBLE_MODULES = _declare(
     "HABANA_VISIBLE_MODULES", None, "Comma-separated Gaudi module ids this process may use."
@@ -46,41 +57,53 @@ PT_HPU_LAZY_MODE = _declare(
     "PT_HPU_LAZY_MODE",
     "0",
     "1: Gaudi lazy mode (graphs built op by op, flushed by mark_step); 0: eager / torch.compile.",
+    kind="choice",
 )
 PT_HPU_WEIGHT_SHARING = _declare(
-    "PT_HPU_WEIGHT_SHARING", "0", "Set to 0 by the platform: weight sharing breaks torch.compile."
+    "PT_HPU_WEIGHT_SHARING",
+    "0",
+    "Set to 0 by the platform: weight sharing breaks torch.compile.",
+    kind="bool",
 )
 RUNTIME_SCALE_PATCHING = _declare(
     "RUNTIME_SCALE_PATCHING",
     "1",
     "FP8 scales patched at run time instead of baked into graphs (default 1 in eager/compile).",
+    kind="bool",
 )
-VLLM_SKIP_WARMUP = _declare("VLLM_SKIP_WARMUP", "false", "true: skip the bucket warmup.")
+VLLM_SKIP_WARMUP = _declare(
+    "VLLM_SKIP_WARMUP", "false", "true: skip the bucket warmup.", kind="bool"
+)
 VLLM_FULL_WARMUP = _declare(
     "VLLM_FULL_WARMUP",
     "false",
     "true: a forward pass with a shape that was not warmed up (a recompile) is an error.",
+    kind="bool",
 )
 VLLM_GRAPH_RESERVED_MEM = _declare(
     "VLLM_GRAPH_RESERVED_MEM",
     "0.1",
     "Share (0..1) of the usable device memory kept back for captured graphs, not KV cache.",
+    kind="float",
 )
 VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "VLLM_HPU_EMULATION_MEMORY_GB",
     "8",
     "Device memory (GiB) the CPU emulation reports as the total memory of one emulated HPU.",
+    kind="float",
 )
 VLLM_HPU_EMULATION_GAUDI = _declare(
     "VLLM_HPU_EMULATION_GAUDI",
     "3",
     "Gaudi generation the CPU emulation behaves as where generations differ: 3 or 2. Today that is "
     "the FP8 E4M3 range (largest value 448 on Gaudi 3, 240 on Gaudi 2).",
+    kind="choice",
 )
 VLLM_HPU_OPS_STATS_FILE = _declare(
     "VLLM_HPU_OPS_STATS_FILE",
     None,
     "A JSON file each process adds its per-op-family forward_oot counts to at exit (tests).",
+    kind="path",
 )
 
 QUANT_CONFIG = _declare(
@@ -89,6 +112,7 @@ QUANT_CONFIG = _declare(
     "JSON file of INC FP8 settings for --quantization inc (vllm-gaudi-quant[inc]): mode MEASURE "
     "(collect calibration statistics, written at shutdown) or QUANTIZE (run in FP8 from them). "
     "`vllm-gaudi calibrate` writes a ready one.",
+    kind="path",
 )
 
 VLLM_NIXL_DEVICE_TO_DEVICE = _declare(
@@ -97,6 +121,83 @@ VLLM_NIXL_DEVICE_TO_DEVICE = _declare(
     "true: the NIXL connector (vllm-gaudi-connectors) registers Gaudi device memory with NIXL and "
     "moves KV blocks device to device (kv_buffer_device 'hpu'); false: through host buffers "
     "(kv_buffer_device 'cpu'). Gaudi only: emulated KV caches already live in host memory.",
+    kind="bool",
+)
+
+VLLM_GAUDI_MODEL_CACHE = _declare(
+    "VLLM_GAUDI_MODEL_CACHE",
+    None,
+    "Folder for the tiny models `vllm-gaudi demo` and the tests build (tinymodels.py). Unset: "
+    "$XDG_CACHE_HOME/vllm-gaudi/models, or ~/.cache/vllm-gaudi/models.",
+    kind="path",
+)
+
+# --- static-shape buckets (bucketing.py reads them; its docstring has the full rules) ---------
+# Intel's vllm-gaudi names and meanings, so an operator's settings carry over.
+VLLM_BUCKETING_STRATEGY = _declare(
+    "VLLM_BUCKETING_STRATEGY",
+    "exp",
+    "How each bucket dimension's values are generated: exp (exponential, from the engine "
+    "limits), lin (linear with ramp-up) or pad (padding-aware).",
+    kind="choice",
+)
+VLLM_BUCKETING_FROM_FILE = _declare(
+    "VLLM_BUCKETING_FROM_FILE",
+    None,
+    "A file listing the buckets, one (batch_size, query_len, ctx_blocks) per line; replaces the "
+    "generated buckets.",
+    kind="path",
+)
+VLLM_EXPONENTIAL_BUCKETING = _declare(
+    "VLLM_EXPONENTIAL_BUCKETING",
+    None,
+    "Deprecated (Intel's): true forces VLLM_BUCKETING_STRATEGY=exp, false forces lin.",
+    kind="bool",
+)
+BUCKET_PARAMS = ("MIN", "STEP", "MAX", "PAD_MAX", "PAD_PERCENT")
+BUCKET_DIMENSIONS = (
+    ("PROMPT", "BS"),
+    ("PROMPT", "QUERY"),
+    ("PROMPT", "CTX"),
+    ("DECODE", "BS"),
+    ("DECODE", "BLOCK"),
+)
+_DIMENSION_MEANING = {
+    ("PROMPT", "BS"): "prefill batch size",
+    ("PROMPT", "QUERY"): "prefill query length (new tokens per sequence)",
+    ("PROMPT", "CTX"): "prefill context blocks per sequence",
+    ("DECODE", "BS"): "decode batch size",
+    ("DECODE", "BLOCK"): "decode KV-cache blocks of the whole batch",
+}
+_PARAM_MEANING = {
+    "MIN": "smallest value (lin, pad)",
+    "STEP": "step between values (lin, pad)",
+    "MAX": "largest value (lin, pad; PROMPT_BS_BUCKET_MAX under exp too)",
+    "PAD_MAX": "most padding a value may cover, absolute (pad)",
+    "PAD_PERCENT": "most padding a value may cover, percent, up to 50 (pad)",
+}
+# Every VLLM_{PHASE}_{DIM}_BUCKET_{PARAM} that means something; unset: derived from the engine
+# limits (max_num_seqs, max_num_batched_tokens, max_model_len, block size, KV blocks).
+BUCKET_VARIABLES = tuple(
+    _declare(
+        f"VLLM_{phase}_{dim}_BUCKET_{param}",
+        None,
+        f"Bucketing, {_DIMENSION_MEANING[phase, dim]}: {_PARAM_MEANING[param]}. Unset: derived "
+        "from the engine limits.",
+        kind="int",
+    )
+    for phase, dim in BUCKET_DIMENSIONS
+    for param in BUCKET_PARAMS
+)
+# Intel's deprecated names for VLLM_PROMPT_QUERY_BUCKET_*, read when the new name is unset.
+LEGACY_QUERY_VARIABLES = tuple(
+    _declare(
+        f"VLLM_PROMPT_SEQ_BUCKET_{param}",
+        None,
+        f"Deprecated (Intel's): stands in for VLLM_PROMPT_QUERY_BUCKET_{param} when that is unset.",
+        kind="int",
+    )
+    for param in BUCKET_PARAMS
 )
 
 
@@ -128,6 +229,23 @@ def get_number(name: str, cast: Callable[[str], float] = float, *, lo=None, hi=N
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise EnvError(f"{name}={raw!r} is out of range [{lo}, {hi}].")
     return value
+
+
+def non_default(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The declared variables set to something other than their default, by name.
+
+    Set-but-empty counts as unset for a variable without a default (as bucketing and vLLM read
+    `VAR=`). Values are compared as written, after trimming spaces.
+    """
+    environ = os.environ if environ is None else environ
+    found = {}
+    for name, var in VARIABLES.items():
+        value = environ.get(name)
+        if value is None or (var.default is None and not value.strip()):
+            continue
+        if var.default is None or value.strip() != var.default:
+            found[name] = value
+    return found
 
 
 def emulation_mode() -> str | None:

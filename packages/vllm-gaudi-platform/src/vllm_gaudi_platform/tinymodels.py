@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_gaudi_platform import envs
+
 CORPUS = """
 Intel Gaudi accelerators run large language models with static shapes and graph compilation.
 The model runner pads every batch to a bucket so that no new graph is compiled while serving.
@@ -97,7 +99,8 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def cache_root() -> Path:
-    root = os.environ.get("VLLM_GAUDI_MODEL_CACHE")
+    """Where built models are kept: VLLM_GAUDI_MODEL_CACHE, else the user's cache folder."""
+    root = envs.get_raw(envs.VLLM_GAUDI_MODEL_CACHE)
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
