@@ -24,6 +24,8 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 PLATFORM = "vllm-gaudi-platform"
+# The one version of the four wheels; every member's pyproject reads it (`[tool.hatch.version]`).
+VERSION_FILE = ROOT / "packages" / PLATFORM / "src" / "vllm_gaudi_platform" / "version.py"
 # Where torch's "+cpu" builds live when pip has no local wheel store configured.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Scripts entries in pyproject become these entry_points.txt groups.
@@ -35,8 +37,9 @@ class Member:
     """One workspace member as its pyproject declares it."""
 
     name: str
-    version: str
+    version: str  # as built: read from the file its `[tool.hatch.version] path` names
     path: Path
+    version_file: Path | None
     import_name: str
     dependencies: tuple[str, ...]
     entry_points: dict[str, dict[str, str]] = field(hash=False)
@@ -45,9 +48,23 @@ class Member:
         return self.name
 
 
+def read_version(path: Path) -> str:
+    """The `__version__ = "..."` of a version file, as hatch's default pattern reads it."""
+    match = re.search(r'^__version__ = "([^"]+)"$', path.read_text(), re.MULTILINE)
+    if match is None:
+        pytest.fail(f"{path} has no __version__ = \"...\" line")
+    return match.group(1)
+
+
 def _load_member(path: Path) -> Member:
     pyproject = tomllib.loads((path / "pyproject.toml").read_text())
     project = pyproject["project"]
+    version_file = None
+    if "version" in project.get("dynamic", ()):
+        version_file = (path / pyproject["tool"]["hatch"]["version"]["path"]).resolve()
+        version = read_version(version_file)
+    else:
+        version = project["version"]
     [package] = pyproject["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"]
     entry_points = {group: dict(eps) for group, eps in project.get("entry-points", {}).items()}
     for key, group in SCRIPT_GROUPS.items():
@@ -55,8 +72,9 @@ def _load_member(path: Path) -> Member:
             entry_points[group] = dict(project[key])
     return Member(
         name=canonicalize_name(project["name"]),
-        version=project["version"],
+        version=version,
         path=path,
+        version_file=version_file,
         import_name=Path(package).name,
         dependencies=tuple(project.get("dependencies", ())),
         entry_points=entry_points,
@@ -86,6 +104,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="session")
 def members() -> list[Member]:
     return workspace_members()
+
+
+@pytest.fixture(scope="session")
+def version_file() -> Path:
+    """The one version file of the four wheels."""
+    return VERSION_FILE.resolve()
+
+
+@pytest.fixture(scope="session")
+def one_version() -> str:
+    """The version the four wheels share, as written in the version file."""
+    return read_version(VERSION_FILE)
 
 
 @pytest.fixture(scope="session")

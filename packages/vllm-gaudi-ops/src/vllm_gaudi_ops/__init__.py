@@ -8,4 +8,5 @@ heavy; `stats` counts each family's calls. See the README for the families and h
 with VLLM_PLUGINS.
 """
 
-__version__ = "0.1.0"
+# The four wheels share one version (this wheel pins the platform at exactly it).
+from vllm_gaudi_platform.version import __version__ as __version__

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-__version__ = "0.1.0"
+from vllm_gaudi_platform.version import __version__ as __version__
 
 PLATFORM_CLASS = "vllm_gaudi_platform.platform.HpuPlatform"
 
