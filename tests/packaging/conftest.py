@@ -42,6 +42,7 @@ class Member:
     version_file: Path | None
     import_name: str
     dependencies: tuple[str, ...]
+    extras: tuple[str, ...]  # its optional-dependencies names
     entry_points: dict[str, dict[str, str]] = field(hash=False)
 
     def __str__(self) -> str:
@@ -52,7 +53,7 @@ def read_version(path: Path) -> str:
     """The `__version__ = "..."` of a version file, as hatch's default pattern reads it."""
     match = re.search(r'^__version__ = "([^"]+)"$', path.read_text(), re.MULTILINE)
     if match is None:
-        pytest.fail(f"{path} has no __version__ = \"...\" line")
+        pytest.fail(f'{path} has no __version__ = "..." line')
     return match.group(1)
 
 
@@ -77,6 +78,7 @@ def _load_member(path: Path) -> Member:
         version_file=version_file,
         import_name=Path(package).name,
         dependencies=tuple(project.get("dependencies", ())),
+        extras=tuple(project.get("optional-dependencies", {})),
         entry_points=entry_points,
     )
 
