@@ -1,0 +1,353 @@
+"""A tiny Llama that has learned real text, trained locally on first use: no model hub needed.
+
+The random-weight models of `tinymodels.py` test architectures; their output is noise, and they
+have no accuracy to lose. This model is trained for about three minutes on a 2-core CPU, so its
+greedy output reads as words and phrases of its corpus and its held-out perplexity is a number
+worth comparing (HPU platform vs transformers, quantized vs float).
+
+Corpus: the Python documentation topics that ship with CPython as `pydoc_data.topics` (the text
+`help()` shows for keywords and topics), present on every machine with Python, no download.
+Provenance and license: generated from the CPython documentation, Copyright Python Software
+Foundation, distributed under the PSF License Agreement (Python Software Foundation License
+Version 2); code examples in the documentation are additionally under the Zero-Clause BSD
+license. The corpus differs slightly between Python releases, so its hash is part of the cache
+key: each Python version trains (once) its own model.
+
+Split: the topics are cut into distinct paragraphs (blank-line separated, duplicates across
+topics dropped); every HELDOUT_EVERY-th paragraph is held out, the rest is training text. The
+byte-level BPE tokenizer (`tokenizers`) is trained on the training text only.
+
+Determinism: fixed seeds for the weights and the batch order, `torch.use_deterministic_algorithms`
+and a fixed thread count (TRAIN_THREADS) while training, so the weights do not depend on the
+machine's core count (they may still differ in the last bits between CPU instruction sets).
+
+Cache: the model is saved under `tinymodels.cache_root()` in a folder named by a hash of the model
+config, seed, corpus and training recipe, so a second run starts at once. It is built in a
+temporary folder and renamed into place when complete, under a file lock, so an interrupted
+training never leaves a half model that loads and two processes never train it twice.
+
+torch, transformers, tokenizers and tqdm are imported lazily: the platform wheel does not depend
+on them (they come with vLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from vllm_gaudi_platform.tinymodels import cache_root
+
+CORPUS_SOURCE = "pydoc_data.topics (CPython documentation, PSF License Version 2)"
+HELDOUT_EVERY = 20
+VOCAB_SIZE = 2048
+SEED = 0
+TRAIN_THREADS = 2
+
+CONFIG: dict[str, Any] = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+# Everything that changes the weights is in here (and in the cache key).
+RECIPE: dict[str, Any] = {
+    "steps": 200,
+    "batch_size": 16,
+    "seq_len": 128,
+    "peak_lr": 3e-3,
+    "final_lr_fraction": 0.1,
+    "warmup_steps": 20,
+    "weight_decay": 0.1,
+    "betas": [0.9, 0.95],
+    "grad_clip": 1.0,
+    "eval_windows": 32,
+    "threads": TRAIN_THREADS,
+}
+
+# Bump when the way the folder is written changes (file names, tokenizer settings).
+FORMAT_VERSION = 1
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+METRICS_FILE = "training.json"  # written last: its presence marks a complete model
+
+
+def paragraphs() -> list[str]:
+    """The corpus as distinct paragraphs, in a fixed order (topics sorted by name).
+
+    Many topics repeat sections of others; each paragraph is kept once (first occurrence), so no
+    held-out paragraph also appears in the training text.
+    """
+    from pydoc_data.topics import topics
+
+    out: dict[str, None] = {}
+    for name in sorted(topics):
+        for block in topics[name].split("\n\n"):
+            text = "\n".join(line.rstrip() for line in block.strip("\n").splitlines())
+            if text.strip():
+                out.setdefault(text)
+    return list(out)
+
+
+def split() -> tuple[str, str]:
+    """(training text, held-out text): every HELDOUT_EVERY-th paragraph is held out."""
+    train, heldout = [], []
+    for i, para in enumerate(paragraphs()):
+        (heldout if i % HELDOUT_EVERY == HELDOUT_EVERY // 2 else train).append(para)
+    return "\n\n".join(train), "\n\n".join(heldout)
+
+
+def cache_key() -> str:
+    """Hash of everything the weights depend on: config, seed, corpus, recipe, format."""
+    train, heldout = split()
+    corpus = hashlib.sha256((train + "\x00" + heldout).encode()).hexdigest()
+    blob = json.dumps(
+        [CONFIG, SEED, RECIPE, corpus, HELDOUT_EVERY, SPECIAL_TOKENS, FORMAT_VERSION],
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def build(*, root: Path | None = None, progress: bool = True) -> Path:
+    """Path of the trained model, training and caching it on first use (about 3 min, 2 cores).
+
+    Returns at once when the cached folder exists. `progress` shows a tqdm bar with the loss.
+    """
+    root = root or cache_root()
+    path = root / f"trained-llama-{cache_key()}"
+    if (path / METRICS_FILE).exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with _file_lock(root / f"{path.name}.lock"):
+        if (path / METRICS_FILE).exists():  # another process trained it while we waited
+            return path
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _train_into(tmp, progress=progress)
+            tmp.rename(path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def metrics(path: Path) -> dict[str, Any]:
+    """The training record saved beside the model (losses, perplexities, time)."""
+    return json.loads((path / METRICS_FILE).read_text())
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _train_tokenizer(text: str, path: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text.split("\n\n"), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+@contextlib.contextmanager
+def _training_determinism(threads: int) -> Iterator[None]:
+    """Deterministic kernels and a fixed thread count for the block; the caller's settings are
+    restored afterwards (vLLM sets its own thread count later in the same process)."""
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    saved_det = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved_det)
+        torch.set_num_threads(saved_threads)
+
+
+def _lr(step: int) -> float:
+    peak, warm, steps = RECIPE["peak_lr"], RECIPE["warmup_steps"], RECIPE["steps"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    floor = peak * RECIPE["final_lr_fraction"]
+    progress = (step - warm) / max(1, steps - warm)
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _mean_loss(model: Any, windows: Any) -> float:
+    import torch
+
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    return sum(losses) / len(losses)
+
+
+def _train_into(path: Path, *, progress: bool) -> None:
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    train_text, heldout_text = split()
+    tokenizer = _train_tokenizer(train_text, path)
+    train_ids = torch.tensor(tokenizer(train_text)["input_ids"], dtype=torch.long)
+    heldout_ids = torch.tensor(tokenizer(heldout_text)["input_ids"], dtype=torch.long)
+    seq, batch = RECIPE["seq_len"], RECIPE["batch_size"]
+
+    started = time.monotonic()
+    with _training_determinism(RECIPE["threads"]):
+        torch.manual_seed(SEED)
+        config = transformers.LlamaConfig(**CONFIG)
+        model = transformers.LlamaForCausalLM(config).float().train()
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": RECIPE["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=RECIPE["peak_lr"],
+            betas=tuple(RECIPE["betas"]),
+        )
+        order = torch.Generator().manual_seed(SEED + 1)
+        bar = tqdm(
+            range(RECIPE["steps"]),
+            desc="Training the tiny Llama on the Python docs",
+            disable=not progress,
+            unit="step",
+        )
+        smoothed = None
+        for step in bar:
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(step)
+            starts = torch.randint(0, len(train_ids) - seq, (batch,), generator=order)
+            x = torch.stack([train_ids[s : s + seq] for s in starts.tolist()])
+            loss = model(input_ids=x, labels=x).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["grad_clip"])
+            optimizer.step()
+            smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
+            bar.set_postfix(loss=f"{smoothed:.3f}")
+        bar.close()
+        train_seconds = time.monotonic() - started
+
+        model.eval()
+        n = RECIPE["eval_windows"]
+        train_loss = _mean_loss(model, _windows(train_ids, n, seq))
+        heldout_loss = _mean_loss(model, _windows(heldout_ids, n, seq))
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(path, safe_serialization=True)
+    record = {
+        "corpus": CORPUS_SOURCE,
+        "train_tokens": len(train_ids),
+        "heldout_tokens": len(heldout_ids),
+        "train_seconds": round(train_seconds, 1),
+        "train_loss": round(train_loss, 4),
+        "heldout_loss": round(heldout_loss, 4),
+        "train_perplexity": round(math.exp(train_loss), 3),
+        "heldout_perplexity": round(math.exp(heldout_loss), 3),
+        "config": CONFIG,
+        "recipe": RECIPE,
+        "seed": SEED,
+    }
+    (path / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _windows(ids: Any, count: int, length: int) -> list[Any]:
+    """The first `count` consecutive non-overlapping windows of `length` tokens."""
+    return [ids[i * length : (i + 1) * length] for i in range(min(count, len(ids) // length))]
+
+
+def heldout_windows(path: Path | str, count: int = 16, length: int = 128) -> list[list[int]]:
+    """Held-out token windows for perplexity, tokenized with the model's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids = tokenizer(split()[1])["input_ids"]
+    return [list(w) for w in _windows(ids, count, length)]
+
+
+def heldout_prompts(count: int = 4, words: int = 6) -> list[str]:
+    """The first `words` words of the first `count` held-out prose paragraphs."""
+    prompts = []
+    for para in split()[1].split("\n\n"):
+        first = para.split()
+        # Prose, not grammar or code: starts with a capital letter, runs on for a while.
+        if len(first) >= 2 * words and first[0][:1].isupper() and first[0].isalpha():
+            prompts.append(" ".join(first[:words]))
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def perplexity(token_logprobs: Sequence[Sequence[float]]) -> float:
+    """exp of the mean negative log-likelihood over every token of every sequence."""
+    flat = [lp for seq in token_logprobs for lp in seq]
+    if not flat:
+        raise ValueError("perplexity needs at least one token log-probability")
+    return math.exp(-sum(flat) / len(flat))
+
+
+def transformers_logprobs(path: Path | str, windows: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Log-probability of each window token after the first, from transformers in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for window in windows:
+            ids = torch.tensor([list(window)])
+            logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            out.append(logprobs.gather(1, ids[0, 1:, None])[:, 0].tolist())
+    return out
+
+
+def vllm_logprobs(outputs: Sequence[Any]) -> list[list[float]]:
+    """Log-probability of each prompt token after the first, from vLLM RequestOutputs generated
+    with `SamplingParams(prompt_logprobs=0)` (each position then holds the prompt token)."""
+    out = []
+    for o in outputs:
+        if o.prompt_logprobs is None:
+            raise ValueError("the request was not run with SamplingParams(prompt_logprobs=0)")
+        pairs = zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)
+        out.append([step[token].logprob for token, step in pairs])
+    return out

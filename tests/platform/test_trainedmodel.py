@@ -1,0 +1,96 @@
+"""The trained tiny Llama's corpus split, cache and training determinism, without an engine.
+
+Training itself is exercised with a shrunken recipe (a few steps of a tiny model), so these
+tests take seconds; the full model is checked end to end in tests/integration/test_trained_model.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from vllm_gaudi_platform import trainedmodel
+
+SMALL_CONFIG = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
+SMALL_RECIPE = {"steps": 3, "warmup_steps": 1, "batch_size": 2, "seq_len": 32, "eval_windows": 2}
+
+
+@pytest.fixture
+def small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe and a corpus slice that train in a second or two (they change the cache key)."""
+    head = trainedmodel.paragraphs()[:300]
+    monkeypatch.setattr(trainedmodel, "paragraphs", lambda: head)
+    monkeypatch.setattr(trainedmodel, "CONFIG", {**trainedmodel.CONFIG, **SMALL_CONFIG})
+    monkeypatch.setattr(trainedmodel, "RECIPE", {**trainedmodel.RECIPE, **SMALL_RECIPE})
+
+
+def test_heldout_paragraphs_are_not_in_the_training_text():
+    train, heldout = trainedmodel.split()
+    held = heldout.split("\n\n")
+    assert len(held) > 100
+    assert len(train) > 10 * len(heldout)
+    train_paragraphs = set(train.split("\n\n"))
+    # Topics repeat each other's sections: a duplicate must not sit on both sides.
+    assert not [p for p in held if p in train_paragraphs]
+
+
+def test_heldout_prompts_are_prose_from_the_heldout_text():
+    heldout = trainedmodel.split()[1]
+    prompts = trainedmodel.heldout_prompts(count=4, words=6)
+    assert len(prompts) == 4
+    for prompt in prompts:
+        assert len(prompt.split()) == 6 and prompt[0].isupper()
+        assert prompt in heldout
+
+
+def test_cache_key_changes_with_the_recipe(monkeypatch: pytest.MonkeyPatch):
+    before = trainedmodel.cache_key()
+    monkeypatch.setitem(trainedmodel.RECIPE, "steps", trainedmodel.RECIPE["steps"] + 1)
+    assert trainedmodel.cache_key() != before
+
+
+def test_perplexity_is_exp_of_the_mean_negative_logprob():
+    assert trainedmodel.perplexity([[-1.0, -3.0], [-2.0]]) == pytest.approx(2.718281828**2)
+    with pytest.raises(ValueError, match="at least one"):
+        trainedmodel.perplexity([[]])
+
+
+def test_training_with_the_same_seed_gives_identical_weights(small, tmp_path: Path):
+    first = trainedmodel.build(root=tmp_path / "a", progress=False)
+    second = trainedmodel.build(root=tmp_path / "b", progress=False)
+    assert first.name == second.name
+    assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    assert trainedmodel.metrics(first)["train_loss"] == trainedmodel.metrics(second)["train_loss"]
+
+
+def test_a_cached_model_is_returned_without_training(
+    small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    path = trainedmodel.build(root=tmp_path, progress=False)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("trained again although the model was cached")
+
+    monkeypatch.setattr(trainedmodel, "_train_into", fail)
+    assert trainedmodel.build(root=tmp_path, progress=False) == path
+
+
+def test_interrupted_training_leaves_no_model_behind(
+    small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def interrupted(path: Path, *, progress: bool) -> None:
+        (path / "config.json").write_text("{}")  # half written, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainedmodel, "_train_into", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        trainedmodel.build(root=tmp_path, progress=False)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
