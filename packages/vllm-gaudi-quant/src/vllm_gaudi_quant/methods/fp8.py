@@ -187,7 +187,8 @@ def _input_scale_loader(rows: _ShardedRows):
 
     def load(param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         index = _shard_index(shard_id, len(rows.sizes))
-        value = loaded.float().reshape(-1).max()
+        # In a narrower device range the same activations need a proportionally larger scale.
+        value = loaded.float().reshape(-1).max() * _device_range_factor()
         if index is None:
             param.data.fill_(value)
         else:
