@@ -495,7 +495,8 @@ class HpuIncConfig(QuantizationConfig):
         logger.info("INC calibration statistics written to %s*", self.settings.stats_prefix)
 
     def _load_kv_scales(self, model: torch.nn.Module) -> None:
-        layers = {
+        # vLLM's Attention layers: their k/v scale buffers and host copies are set below.
+        layers: dict[str, Any] = {
             name: layer
             for name, layer in _attention_layers(model).items()
             if str(getattr(layer, "kv_cache_dtype", "auto")).startswith("fp8")
