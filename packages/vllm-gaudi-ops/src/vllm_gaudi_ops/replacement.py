@@ -39,8 +39,8 @@ def family_plugin(entry_point: str, module: str) -> Callable[[], None]:
     register.__name__ = register.__qualname__ = entry_point
     register.__module__ = "vllm_gaudi_ops.register"
     register.__doc__ = (
-        f"Replace the vLLM CustomOp classes listed in {module}.REPLACEMENTS with their Gaudi "
-        "subclasses (the `hpu_ops_*` family registered by this entry point).\n\n"
+        f"{entry_point}: replace the vLLM CustomOp classes listed in {module}.REPLACEMENTS "
+        "with their Gaudi subclasses.\n\n"
         "Does nothing but log one line when vLLM's active platform is not HPU (real or "
         "emulated), and warns instead when the installed vLLM is outside the supported range. "
         "Idempotent."
