@@ -63,6 +63,15 @@ if _seam.IS_EMULATED:
     _route_torch_accelerator_to_seam()
 
 
+class _RegisteredQuantization:
+    """Descriptor: reads as `plugins.registered_quantization()` on the class and its instances."""
+
+    def __get__(self, obj: object, owner: type | None = None) -> list[str]:
+        from vllm_gaudi_platform.plugins import registered_quantization
+
+        return registered_quantization()
+
+
 class HpuPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "hpu"
@@ -74,7 +83,9 @@ class HpuPlatform(Platform):
     dist_backend: str = _seam.DIST_BACKEND
     device_control_env_var: str = envs.HABANA_VISIBLE_MODULES
     simple_compile_backend: str = _seam.COMPILE_BACKEND
-    supported_quantization: list[str] = []
+    # The methods vllm-gaudi-quant registered in this process, computed at each read. Never an
+    # empty list standing for "anything": verify_quantization refuses every other method.
+    supported_quantization: list[str] = _RegisteredQuantization()  # type: ignore[assignment]
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -174,18 +185,26 @@ class HpuPlatform(Platform):
 
     @classmethod
     def verify_quantization(cls, quant: str) -> None:
-        super().verify_quantization(quant)
+        from vllm_gaudi_platform.plugins import OUTCOMES, QUANT_METHODS
+
+        supported = cls.supported_quantization
+        if quant in supported:
+            return
         # A method whose vllm-gaudi-quant entry point was skipped in this process (a missing
         # optional package, ...): say why now, rather than let vLLM's own method of that name
         # fail later with a message about checkpoint files.
-        from vllm_gaudi_platform.plugins import OUTCOMES
-
-        entry_point = "hpu_quant_" + quant.replace("-", "_")
-        outcome = OUTCOMES.get(entry_point)
-        if outcome is not None and outcome != "registered":
-            raise ValueError(
-                f"--quantization {quant} is not available on HPU: {entry_point} {outcome}"
-            )
+        for entry_point, methods in QUANT_METHODS.items():
+            outcome = OUTCOMES.get(entry_point)
+            if quant in methods and outcome is not None and outcome != "registered":
+                raise ValueError(
+                    f"--quantization {quant} is not available on HPU: {entry_point} {outcome}"
+                )
+        # Anything else (vLLM's GGUF, bitsandbytes, MXFP4, ... or a method whose entry point is
+        # not installed or not loaded) would reach CUDA/CPU kernels: refuse it before any engine.
+        raise ValueError(
+            f"Quantization method {quant!r} is not supported on HPU; the methods registered in "
+            f"this process are: {', '.join(supported) or 'none (install vllm-gaudi-quant)'}."
+        )
 
     @classmethod
     def check_and_update_config(cls, vllm_config: VllmConfig) -> None:

@@ -25,6 +25,27 @@ _logger = logging.getLogger("vllm.vllm_gaudi_platform.plugins")
 OUTCOMES: dict[str, str] = {}
 
 
+# vllm-gaudi-quant's entry points -> the quantization method names each registers with vLLM (what
+# ModelConfig resolves a checkpoint to and passes to Platform.verify_quantization).
+QUANT_METHODS: dict[str, tuple[str, ...]] = {
+    "hpu_quant_inc": ("inc",),
+    "hpu_quant_fp8": ("fp8",),
+    "hpu_quant_awq": ("awq_hpu",),
+    "hpu_quant_gptq": ("gptq_hpu",),
+    "hpu_quant_compressed_tensors": ("compressed-tensors",),
+}
+
+
+def registered_quantization() -> list[str]:
+    """The quantization methods whose entry point registered in this process, in table order."""
+    return [
+        method
+        for entry_point, methods in QUANT_METHODS.items()
+        if OUTCOMES.get(entry_point) == "registered"
+        for method in methods
+    ]
+
+
 class MissingDependency(ImportError):
     """Raised by a register body when an optional package it needs is not installed."""
 
