@@ -317,9 +317,16 @@ def copy_blocks(
     src and dst may be on different devices (host <-> HPU). Asynchronous on a Gaudi: call
     synchronize() before reading dst on the host.
 
-    Emulated: both sides are host memory; the copy is done when this returns."""
-    blocks = src.index_select(0, src_block_indices.to(src.device))
-    dst.index_copy_(0, dst_block_indices.to(dst.device), blocks.to(dst.device))
+    Emulated: both sides are host memory; the copy is done when this returns. One memcpy per
+    block, straight into place: a gather then scatter would write every byte twice through a
+    temporary as large as the transfer."""
+    if src_block_indices.numel() != dst_block_indices.numel():
+        raise ValueError(
+            f"copy_blocks: {src_block_indices.numel()} source blocks for "
+            f"{dst_block_indices.numel()} destination blocks"
+        )
+    for s, d in zip(src_block_indices.tolist(), dst_block_indices.tolist()):
+        dst[d].copy_(src[s])
 
 
 # ----------------------------------------------------------------------------- 4-bit kernels
