@@ -11,6 +11,7 @@ Every check turns into plain sentences: `problems` (each one makes the exit stat
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -378,6 +379,21 @@ print("UCX" in agent.get_plugin_list() and "UCX" in agent.backends)
 
 def _check_nixl_backend(report: Report, version: str | None) -> None:
     """Whether nixl loads and instantiates its UCX backend (what HpuNixlConnector uses)."""
+    ok, detail = _probe_nixl_ucx()
+    if ok:
+        report.info.append(
+            f"nixl {version or ''} found, UCX backend loads: the NIXL KV connector is available"
+        )
+    else:
+        report.problems.append(
+            f"nixl {version or ''} is installed but its UCX backend does not load ({detail}); "
+            "reinstall with pip install --force-reinstall 'vllm-gaudi-connectors[nixl]'"
+        )
+
+
+@functools.cache
+def _probe_nixl_ucx() -> tuple[bool, str]:
+    """(loads, last stderr line), probed once per process (a child interpreter takes seconds)."""
     import subprocess
     import sys
 
@@ -394,15 +410,7 @@ def _check_nixl_backend(report: Report, version: str | None) -> None:
         detail = (probe.stderr.strip().splitlines() or ["no output"])[-1]
     except (OSError, subprocess.TimeoutExpired) as exc:
         ok, detail = False, repr(exc)
-    if ok:
-        report.info.append(
-            f"nixl {version or ''} found, UCX backend loads: the NIXL KV connector is available"
-        )
-    else:
-        report.problems.append(
-            f"nixl {version or ''} is installed but its UCX backend does not load ({detail}); "
-            "reinstall with pip install --force-reinstall 'vllm-gaudi-connectors[nixl]'"
-        )
+    return ok, detail
 
 
 def _check_settings(report: Report) -> None:
