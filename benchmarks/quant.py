@@ -1,0 +1,173 @@
+"""Each quantization method's linear in CPU emulation, side by side with the bf16 linear.
+
+Per method, on the linears of one decoder layer of a 7B-class model (q/k/v/o, gate/up/down):
+- weight bytes: everything the quantized layers keep (weights, scales, zero points) over the
+  bf16 weights. Targets: <= 0.55x for FP8, <= 0.30x for 4-bit (rows above are flagged);
+- time: the emulated quantized forward over the bf16 `F.linear`, same inputs, run alternately,
+  median of the repeats, at a decode-sized and a prefill-sized batch. Emulation dequantizes or
+  upcasts in plain torch, so ratios above 1 are expected here; on a Gaudi the FP8 GEMM runs
+  natively. Absolute times are machine noise; read the ratios;
+- error: the output's relative norm error against the bf16 linear on the original weights.
+
+Adding a method: write `build_<method>(weight) -> Built` (weight is a bf16 [N, K] torch Linear
+weight) and add it to METHODS with its byte target.
+
+    python benchmarks/quant.py [--repeats N] [--tokens T ...] [--methods NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# One decoder layer of a Llama-2-7B-like model: (name, out_features N, in_features K).
+LAYER = (
+    ("q_proj", 4096, 4096),
+    ("k_proj", 4096, 4096),
+    ("v_proj", 4096, 4096),
+    ("o_proj", 4096, 4096),
+    ("gate_proj", 11008, 4096),
+    ("up_proj", 11008, 4096),
+    ("down_proj", 4096, 11008),
+)
+# The linear timed (the largest shape the MLP runs).
+TIMED = ("up_proj", 11008, 4096)
+
+
+@dataclass
+class Built:
+    """A quantized linear: its forward (x [T, K] bf16 -> [T, N] bf16) and every tensor it keeps."""
+
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+# ----------------------------------------------------------------------------- FP8 builders
+def _fp8_from_checkpoint(weight: torch.Tensor, scheme: str, static: bool) -> Built:
+    """Quantize like an FP8 checkpoint would be, then process it as HpuFp8LinearMethod does."""
+    from vllm_gaudi_quant.methods.fp8 import (
+        CHECKPOINT_FP8_MAX,
+        FP8_DTYPE,
+        apply_fp8_linear,
+        dequantize_blocks,
+        quantize_per_channel,
+    )
+
+    w = weight.float()
+    if scheme == "tensor":
+        scale = w.abs().max() / CHECKPOINT_FP8_MAX
+        wq = (w / scale).to(FP8_DTYPE).t().contiguous()
+        # The loader keeps one scale per output row whatever the checkpoint's granularity.
+        w_scale = scale.expand(w.shape[0]).contiguous()
+    elif scheme == "channel":
+        wq8, w_scale = quantize_per_channel(w)
+        wq = wq8.t().contiguous()
+    else:  # block [128, 128] checkpoints, requantized per channel at load
+        n, k = w.shape
+        tiles = w.reshape(n // 128, 128, k // 128, 128).abs().amax(dim=(1, 3))
+        scale_inv = tiles / CHECKPOINT_FP8_MAX
+        full = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        wq8, w_scale = quantize_per_channel(
+            dequantize_blocks((w / full).to(FP8_DTYPE), scale_inv, (128, 128))
+        )
+        wq = wq8.t().contiguous()
+    input_scale = torch.tensor(8.0 / CHECKPOINT_FP8_MAX) if static else None
+    kept = [wq, w_scale] + ([input_scale] if static else [])
+    return Built(lambda x: apply_fp8_linear(x, wq, w_scale, input_scale), kept)
+
+
+def build_fp8_tensor_static(weight: torch.Tensor) -> Built:
+    return _fp8_from_checkpoint(weight, "tensor", static=True)
+
+
+def build_fp8_channel_dynamic(weight: torch.Tensor) -> Built:
+    return _fp8_from_checkpoint(weight, "channel", static=False)
+
+
+def build_fp8_block_dynamic(weight: torch.Tensor) -> Built:
+    return _fp8_from_checkpoint(weight, "block", static=False)
+
+
+# name -> (builder, weight-bytes target as a fraction of bf16)
+METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
+    "fp8 per-tensor, static act": (build_fp8_tensor_static, 0.55),
+    "fp8 per-channel, dynamic act": (build_fp8_channel_dynamic, 0.55),
+    "fp8 block 128x128, dynamic act": (build_fp8_block_dynamic, 0.55),
+}
+
+
+# ----------------------------------------------------------------------------- measuring
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def median_ms(a: Callable[[], object], b: Callable[[], object], repeats: int):
+    for fn in (a, b, a, b):  # warm-up
+        fn()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for i, fn in enumerate((a, b)):
+            start = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_HPU_EMULATION", "cpu")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+    weights = {name: _weight(n, k, i) for i, (name, n, k) in enumerate(LAYER)}
+    bf16_bytes = sum(w.numel() * w.element_size() for w in weights.values())
+    timed_weight = weights[TIMED[0]]
+    xs = {
+        t: torch.randn(t, TIMED[2], generator=torch.Generator().manual_seed(t)) for t in args.tokens
+    }
+    xs = {t: (x * 0.5).to(torch.bfloat16) for t, x in xs.items()}
+
+    header = (
+        f"{'method':34} {'bytes/bf16':>10} {'target':>7} {'tokens':>6} {'bf16 ms':>8} "
+        f"{'quant ms':>9} {'ratio':>6} {'rel err':>8}"
+    )
+    print(f"decoder layer of {len(LAYER)} linears; timed linear {TIMED[0]} {TIMED[1]}x{TIMED[2]}")
+    print(header)
+    print("-" * len(header))
+    for name in args.methods:
+        build, target = METHODS[name]
+        quant_bytes = sum(build(w).nbytes for w in weights.values())
+        ratio_bytes = quant_bytes / bf16_bytes
+        layer = build(timed_weight)
+        for tokens, x in xs.items():
+            reference = torch.nn.functional.linear(x, timed_weight)
+            out = layer.forward(x)
+            rel = float((out.float() - reference.float()).norm() / reference.float().norm())
+            float_ms, quant_ms = median_ms(
+                lambda x=x: torch.nn.functional.linear(x, timed_weight),
+                lambda x=x, layer=layer: layer.forward(x),
+                args.repeats,
+            )
+            flag = "  <- above target" if ratio_bytes > target else ""
+            print(
+                f"{name:34} {ratio_bytes:>9.3f}x {target:>6.2f}x {tokens:>6} {float_ms:>8.2f} "
+                f"{quant_ms:>9.2f} {quant_ms / float_ms:>5.2f}x {rel:>8.4f}{flag}"
+            )
+
+
+if __name__ == "__main__":
+    main()
