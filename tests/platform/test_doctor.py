@@ -317,3 +317,61 @@ def test_text_output_shows_each_changed_setting_with_its_default(capsys, monkeyp
     assert "VLLM_GRAPH_RESERVED_MEM=0.2 (default 0.1)" in out
     assert "VLLM_HPU_EMULATION=cpu (default unset)" in out
     assert "VLLM_SKIP_WARMUP" not in out
+
+
+QUANT_METHODS = ["inc", "fp8", "awq_hpu", "gptq_hpu", "compressed-tensors"]
+
+
+def quantization(report: dict) -> dict[str, dict]:
+    return {q["method"]: q for q in report["quantization"]}
+
+
+def test_every_quantization_method_registers_on_a_complete_emulated_install(capsys, emulation):
+    _, report = doctor_json(capsys)
+
+    methods = quantization(report)
+    assert list(methods) == QUANT_METHODS
+    assert all(q["installed"] and q["registers"] and q["why_not"] is None for q in methods.values())
+
+
+def test_inc_without_neural_compressor_does_not_register_and_says_how_to_install_it(
+    capsys, emulation, monkeypatch
+):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "neural_compressor" else real(name, *a),
+    )
+
+    _, out = run_doctor(capsys)
+
+    assert "inc: neural-compressor not installed: pip install 'vllm-gaudi-quant[inc]'" in out
+    assert "awq_hpu: registers" in out
+
+
+def test_a_quantization_entry_point_left_out_of_vllm_plugins_does_not_register(
+    capsys, emulation, monkeypatch
+):
+    monkeypatch.setenv("VLLM_PLUGINS", "hpu,hpu_quant_fp8")
+
+    _, report = doctor_json(capsys)
+
+    methods = quantization(report)
+    assert methods["fp8"]["registers"]
+    assert not methods["gptq_hpu"]["registers"]
+    assert methods["gptq_hpu"]["why_not"] == "hpu_quant_gptq is not named in VLLM_PLUGINS"
+
+
+def test_without_the_quant_wheel_no_method_is_said_to_be_available(capsys, emulation, monkeypatch):
+    platform = [w for w in doctor.installed_wheels() if w.name == "vllm-gaudi-platform"]
+    monkeypatch.setattr(doctor, "installed_wheels", lambda: platform)
+
+    _, report = doctor_json(capsys)
+
+    methods = quantization(report)
+    assert not any(q["installed"] or q["registers"] for q in methods.values())
+    assert methods["awq_hpu"]["why_not"] == "not installed: pip install vllm-gaudi-quant"
+    assert not any("available" in line and "quant" in line.lower() for line in report["info"])

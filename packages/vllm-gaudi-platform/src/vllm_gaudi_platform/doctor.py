@@ -98,6 +98,8 @@ class Report:
     device: dict[str, Any] = field(default_factory=dict)
     versions: dict[str, dict[str, Any]] = field(default_factory=dict)
     optional: list[dict[str, Any]] = field(default_factory=list)
+    # Per quantization method: its entry point installed, would it register here, and why not.
+    quantization: list[dict[str, Any]] = field(default_factory=list)
     # Our settings (envs.VARIABLES) in effect that differ from their defaults.
     settings: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -359,6 +361,10 @@ def _check_optional(report: Report, wheels: list[Wheel]) -> None:
             )
             if found and dep.import_name == "nixl":
                 _check_nixl_backend(report, version)
+            elif found and wheel.name == QUANT_WHEEL:
+                # Whether its method is available is the quantization check's to say: the
+                # package alone registers nothing.
+                report.info.append(f"{dep.package} {version or ''} found")
             elif found:
                 report.info.append(f"{dep.package} {version or ''} found: {dep.enables} available")
             else:
@@ -420,6 +426,46 @@ def _check_settings(report: Report) -> None:
     ]
 
 
+QUANT_WHEEL = "vllm-gaudi-quant"
+# Entry point -> import name of the optional package (in OPTIONAL_DEPENDENCIES) it needs.
+QUANT_REQUIRES = {"hpu_quant_inc": "neural_compressor"}
+
+
+def _check_quantization(report: Report, wheels: list[Wheel], allowed: list[str] | None) -> None:
+    """Per quantization method: installed (its entry point is declared by an installed wheel),
+    registers (vLLM would load it and it would register on this HPU platform), and why not."""
+    from vllm_gaudi_platform.plugins import QUANT_METHODS
+
+    declared = {ep.name: ep for w in wheels for ep in w.entry_points if ep.group == GENERAL_GROUP}
+    deps = {d.import_name: d for group in OPTIONAL_DEPENDENCIES.values() for d in group}
+    for entry_point, methods in QUANT_METHODS.items():
+        ep = declared.get(entry_point)
+        why = None
+        if ep is None:
+            why = f"not installed: pip install {QUANT_WHEEL}"
+        elif not will_load(GENERAL_GROUP, entry_point, allowed):
+            why = f"{entry_point} is not named in VLLM_PLUGINS"
+        elif target_present(ep.value) is False:
+            why = f"{ep.value} is missing: reinstall {ep.distribution}"
+        elif (need := QUANT_REQUIRES.get(entry_point)) and importlib.util.find_spec(need) is None:
+            dep = deps[need]
+            why = f"{dep.package} not installed: {dep.install}"
+        elif not report.versions.get("vllm", {}).get("ok", True):
+            why = "the installed vLLM is outside the supported range: nothing registers"
+        elif not report.device.get("count") and report.device.get("kind") != "emulated-cpu":
+            why = "no HPU device (real or emulated): nothing registers off HPU"
+        for method in methods:
+            report.quantization.append(
+                {
+                    "method": method,
+                    "entry_point": entry_point,
+                    "installed": ep is not None,
+                    "registers": why is None,
+                    "why_not": why,
+                }
+            )
+
+
 def collect() -> Report:
     """Run every check against the installed metadata and the environment."""
     report = Report()
@@ -433,6 +479,7 @@ def collect() -> Report:
     _check_device(report)
     _check_versions(report)
     _check_optional(report, wheels)
+    _check_quantization(report, wheels, allowed)
     _check_settings(report)
     return report
 
@@ -478,6 +525,9 @@ def render(report: Report) -> str:
         default = "unset" if setting["default"] is None else setting["default"]
         text = f"{setting['name']}={setting['value']} (default {default})"
         lines += _wrap(text, "  settings      ", " " * 16)
+    for q in report.quantization:
+        text = f"{q['method']}: " + ("registers" if q["registers"] else q["why_not"])
+        lines += _wrap(text, "  quantization  ", " " * 16)
     for line in report.info:
         lines += _wrap(line, "  info          ", " " * 16)
     if report.problems:
