@@ -1,0 +1,101 @@
+"""The FP8 linear's building blocks in `vllm_gaudi_quant.methods.fp8`, on the emulated backend:
+the forward other methods reuse (`apply_fp8_linear`), activation quantization, and the load-time
+conversions of block-scaled weights.
+
+Tolerances: see tests/quant/conftest.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.quant import fp8_packers as P
+from tests.quant.conftest import FP8_MATMUL_TOLERANCE, FP8_WEIGHT_ONLY_TOLERANCE
+
+
+def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def _fp8_kn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 [K, N], per-channel scale [N], dequantized float [N, K]) from the test packer."""
+    packed = P.quantize(weight, "channel")
+    return (
+        packed["weight"].t().contiguous(),
+        packed["weight_scale"].reshape(-1),
+        P.dequantize(packed),
+    )
+
+
+def test_apply_fp8_linear_with_dynamic_activations_matches_the_float_linear(
+    emulated, relative_error
+):
+    from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
+
+    w8, scale, w = _fp8_kn(_weight(96, 128))
+    x = torch.randn(3, 7, 128, generator=torch.Generator().manual_seed(1))
+    bias = torch.linspace(-1, 1, 96)
+    out = apply_fp8_linear(x, w8, scale, None, bias)
+    assert out.shape == (3, 7, 96) and out.dtype == x.dtype
+    assert relative_error(out, torch.nn.functional.linear(x, w, bias)) < FP8_WEIGHT_ONLY_TOLERANCE
+
+
+def test_apply_fp8_linear_gives_each_token_its_own_scale(emulated, relative_error):
+    """Tokens a thousand times apart in magnitude are both kept accurate: one scale per token."""
+    from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
+
+    w8, scale, w = _fp8_kn(_weight(64, 128))
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2)) * torch.tensor(
+        [[1e-3], [1.0]]
+    )
+    out = apply_fp8_linear(x, w8, scale)
+    ref = torch.nn.functional.linear(x, w)
+    assert relative_error(out[:1], ref[:1]) < FP8_WEIGHT_ONLY_TOLERANCE
+
+
+def test_apply_fp8_linear_with_a_static_scale_saturates_larger_activations(emulated):
+    from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
+
+    w8, scale, w = _fp8_kn(_weight(16, 32))
+    x = torch.full((1, 32), 10.0)
+    static = torch.tensor(1.0 / 448)  # covers |x| <= 1 only
+    out = apply_fp8_linear(x, w8, scale, static)
+    torch.testing.assert_close(
+        out, torch.nn.functional.linear(torch.ones(1, 32), w), rtol=0.02, atol=0.02
+    )
+
+
+def test_apply_fp8_linear_handles_zero_rows_and_an_empty_batch(emulated):
+    from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
+
+    w8, scale, _ = _fp8_kn(_weight(16, 32))
+    zeros = apply_fp8_linear(torch.zeros(2, 32), w8, scale)
+    assert torch.equal(zeros, torch.zeros(2, 16))
+    assert apply_fp8_linear(torch.zeros(0, 32), w8, scale).shape == (0, 16)
+
+
+def test_block_scaled_weights_dequantize_tile_by_tile(emulated):
+    from vllm_gaudi_quant.methods.fp8 import dequantize_blocks
+
+    weight = _weight(96, 160, seed=3)  # neither dimension a multiple of the block
+    packed = P.quantize(weight, "block", (32, 64))
+    got = dequantize_blocks(packed["weight"], packed["weight_scale_inv"], (32, 64))
+    assert torch.equal(got, P.dequantize(packed, (32, 64)))
+
+
+@pytest.mark.parametrize("generation", ["3", "2"])
+def test_per_channel_requantization_stays_within_one_fp8_rounding(
+    emulated, monkeypatch, relative_error, generation
+):
+    from vllm_gaudi_quant.methods.fp8 import quantize_per_channel
+
+    monkeypatch.setenv("VLLM_HPU_EMULATION_GAUDI", generation)
+    weight = _weight(64, 96, seed=4) * torch.logspace(-2, 1, 64)[:, None]
+    wq, scale = quantize_per_channel(weight)
+    assert wq.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    assert wq.float().abs().max() <= emulated.fp8_max()
+    back = wq.float() * scale[:, None]
+    # Rows spanning three decades each keep their own precision.
+    for row in (0, 63):
+        assert relative_error(back[row], weight[row]) < FP8_MATMUL_TOLERANCE / 2
