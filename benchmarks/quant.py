@@ -98,11 +98,66 @@ def build_fp8_block_dynamic(weight: torch.Tensor) -> Built:
     return _fp8_from_checkpoint(weight, "block", static=False)
 
 
+# ----------------------------------------------------------------------------- INC FP8 builder
+def build_inc_fp8(weight: torch.Tensor) -> Built:
+    """INC FP8 as `--quantization inc` runs it in emulation: neural-compressor's CPU path measures
+    the layer's input range (MEASURE), then keeps an FP8 weight and quantizes-dequantizes inputs
+    with per-tensor maxabs_arbitrary scales (QUANTIZE, use_qdq). Its vLLM layer wrappers share this
+    linear code."""
+    import json
+    import tempfile
+
+    from neural_compressor.torch.algorithms.fp8_quant import finish_measurements, prep_model
+    from neural_compressor.torch.algorithms.fp8_quant._core.quantized_func_wrappers import (
+        clear_quantized_func_wrapper_factory,
+        init_quantized_func_wrapper_factory,
+    )
+
+    work = tempfile.mkdtemp(prefix="inc_bench_")
+    base = {
+        "observer": "maxabs",
+        "use_qdq": "True",
+        "scale_method": "maxabs_arbitrary",
+        "hp_dtype": "bf16",
+        "dump_stats_path": os.path.join(work, "m"),
+    }
+
+    def prepared(mode: str) -> torch.nn.Module:
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
+        layer.weight.data.copy_(weight)
+        layer = torch.nn.Sequential(layer)  # neural-compressor patches children of a module
+        path = os.path.join(work, f"{mode}.json")
+        with open(path, "w") as f:
+            json.dump({**base, "mode": mode}, f)
+        init_quantized_func_wrapper_factory()
+        try:
+            prep_model(layer, path)
+        finally:
+            clear_quantized_func_wrapper_factory()
+        return layer
+
+    measured = prepared("MEASURE")
+    calib = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for _ in range(4):
+            measured((torch.randn(16, weight.shape[1], generator=calib) * 0.5).to(weight.dtype))
+    finish_measurements(measured)
+    quantized = prepared("QUANTIZE")
+    tensors = [t for t in quantized.state_dict().values() if isinstance(t, torch.Tensor)]
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return quantized(x)
+
+    return Built(forward, tensors)
+
+
 # name -> (builder, weight-bytes target as a fraction of bf16)
 METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
     "fp8 per-tensor, static act": (build_fp8_tensor_static, 0.55),
     "fp8 per-channel, dynamic act": (build_fp8_channel_dynamic, 0.55),
     "fp8 block 128x128, dynamic act": (build_fp8_block_dynamic, 0.55),
+    "inc fp8 (neural-compressor qdq)": (build_inc_fp8, 0.55),
 }
 
 
