@@ -253,7 +253,9 @@ class HpuFp8Config(QuantizationConfig):
                 )
         self.activation_scheme = activation_scheme
         self.ignored_layers = ignored_layers or []
-        self.weight_block_size = tuple(weight_block_size) if weight_block_size else None
+        self.weight_block_size: tuple[int, int] | None = (
+            (int(weight_block_size[0]), int(weight_block_size[1])) if weight_block_size else None
+        )
 
     def __repr__(self) -> str:
         return (
@@ -300,7 +302,7 @@ class HpuFp8Config(QuantizationConfig):
         if self.ignored_layers:
             self.ignored_layers = hf_to_vllm_mapper.apply_list(self.ignored_layers)
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         skipped = is_layer_skipped(
             prefix=prefix,
             ignored_layers=self.ignored_layers,
@@ -329,7 +331,7 @@ class HpuFp8LinearMethod(LinearMethodBase):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         input_size_per_partition: int,
         output_partition_sizes: list[int],
         input_size: int,
@@ -373,7 +375,7 @@ class HpuFp8LinearMethod(LinearMethodBase):
             set_weight_attrs(input_scale, {"weight_loader": _input_scale_loader(shards)})
             layer.register_parameter("input_scale", input_scale)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         if self.block is not None:
             weight = dequantize_blocks(layer.weight.data, layer.weight_scale_inv.data, self.block)
             wq, scale = quantize_per_channel(weight)
@@ -394,9 +396,7 @@ class HpuFp8LinearMethod(LinearMethodBase):
         else:
             layer.input_scale = None
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return apply_fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
@@ -405,7 +405,7 @@ _KERNEL_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU_TANH: "gel
 
 
 def route_topk(
-    layer: torch.nn.Module, x: torch.Tensor, router_logits: torch.Tensor
+    layer: Any, x: torch.Tensor, router_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(router weights float32 [T, k], expert ids int64 [T, k]) as vLLM's plain top-k router
     picks them: softmax scores, top k, renormalized when the layer asks; or the layer's custom
@@ -429,7 +429,7 @@ def route_topk(
 class HpuFp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts: FP8 storage with per-row scales, dequantized per call for the bf16 kernel."""
 
-    def __init__(self, quant_config: HpuFp8Config, layer: torch.nn.Module) -> None:
+    def __init__(self, quant_config: HpuFp8Config, layer: Any) -> None:
         super().__init__(layer.moe_config)
         self.quant_config = quant_config
         self.block = quant_config.weight_block_size
@@ -451,19 +451,19 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
                 f"fp8 MoE on HPU does not support {problem} yet; this model's FP8 checkpoint "
                 "cannot be served by vllm-gaudi-quant."
             )
-        self.activation = _KERNEL_ACTIVATIONS[moe.activation]
+        self.kernel_activation = _KERNEL_ACTIVATIONS[moe.activation]
 
     @property
     def is_monolithic(self) -> bool:
         return True
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+    def get_fused_moe_quant_config(self, layer: Any) -> None:
         # Only vLLM's modular kernels read this; the HPU method runs its own kernel.
         return None
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -515,7 +515,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
                 layer.register_parameter(name, param)
                 set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": weight_loader})
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         if self.block is None:
             # Per-tensor scales per expert (and per gate/up shard) spread over the rows.
@@ -538,7 +538,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
 
     def apply_monolithic(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         x: torch.Tensor,
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
@@ -562,7 +562,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             w13,
             w2,
             True,
-            self.activation,
+            self.kernel_activation,
             first,
             first + layer.local_num_experts - 1,
         )
