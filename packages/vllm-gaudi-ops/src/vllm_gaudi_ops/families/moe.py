@@ -10,6 +10,8 @@ platform does not have, so this method is monolithic: it routes in torch (`route
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
@@ -40,7 +42,7 @@ def _unsupported(moe: FusedMoEConfig) -> str | None:
 
 
 def route(
-    layer: torch.nn.Module, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    layer: Any, hidden_states: torch.Tensor, router_logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts vLLM's router would pick for the layer: (float32 weights, int32 ids).
 
@@ -108,7 +110,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         # EPLB remaps experts inside vLLM's routers, which this method does not use.
         return False
 
-    def create_weights(self, layer: torch.nn.Module, *args, **kwargs) -> None:
+    def create_weights(self, layer: Any, *args, **kwargs) -> None:
         if layer.custom_routing_function is None and layer.scoring_func not in SCORING_FUNCS:
             raise ValueError(
                 f"MoE scoring function {layer.scoring_func!r} is not supported on HPU by "
@@ -117,7 +119,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             )
         super().create_weights(layer, *args, **kwargs)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         # vLLM's version prepares weights for vLLM's own kernels (none on an out-of-tree
         # platform); the kernel here takes [E, out, in] weights as loaded, one view per expert.
         self._expert_weights = (
@@ -127,7 +129,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def apply_monolithic(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         x: torch.Tensor,
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
@@ -142,7 +144,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
     def forward_oot(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,

@@ -332,6 +332,8 @@ class HpuBailingMRotaryEmbedding(_KernelRope, BailingMRotaryEmbedding):
 class HpuFourierRotaryEmbedding(_KernelRope, FourierRotaryEmbedding):
     """FoPE: full-width, GPT-NeoX-style cos/sin, optionally one per KV head."""
 
+    update_cache: bool  # set by vLLM's class: the cache is rebuilt once coefficients load
+
     def forward_oot(
         self,
         positions: torch.Tensor,
