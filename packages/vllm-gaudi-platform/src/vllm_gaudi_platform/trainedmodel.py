@@ -109,7 +109,8 @@ def paragraphs() -> list[str]:
 
 def split() -> tuple[str, str]:
     """(training text, held-out text): every HELDOUT_EVERY-th paragraph is held out."""
-    train, heldout = [], []
+    train: list[str] = []
+    heldout: list[str] = []
     for i, para in enumerate(paragraphs()):
         (heldout if i % HELDOUT_EVERY == HELDOUT_EVERY // 2 else train).append(para)
     return "\n\n".join(train), "\n\n".join(heldout)
