@@ -69,7 +69,7 @@ class HpuAwqConfig(AutoAWQConfig):
     ) -> str | None:
         return NAME if _claims(hf_quant_cfg, user_quant, "awq") else None
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
         if is_layer_skipped(
@@ -87,7 +87,7 @@ class HpuAwqConfig(AutoAWQConfig):
 class HpuAwqLinearMethod(BaseAWQLinearMethod, Uint4LinearMethod):
     """AWQ linear: vLLM's AWQ parameters, repacked once for `convert_from_uint4`."""
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         replace_parameter(layer, "qweight", awq_to_plain(layer.qweight.data))
         replace_parameter(layer, "qzeros", awq_to_plain(layer.qzeros.data))
         replace_parameter(layer, "scales", layer.scales.data)

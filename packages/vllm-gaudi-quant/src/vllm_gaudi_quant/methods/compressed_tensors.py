@@ -81,7 +81,7 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
     ) -> bool:
         return True  # the schemes below are Gaudi's; CUDA compute capability does not apply
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
             raise ValueError(
                 f"compressed-tensors checkpoint: layer {prefix!r} is a mixture of experts, which "
@@ -160,7 +160,7 @@ class HpuW8A8Fp8(CompressedTensorsScheme):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         output_partition_sizes: list[int],
         input_size_per_partition: int,
         params_dtype: torch.dtype,
@@ -200,7 +200,7 @@ class HpuW8A8Fp8(CompressedTensorsScheme):
                 ),
             )
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         if self.per_channel:
             scale = layer.weight_scale.data.reshape(-1).float()
         else:
@@ -226,9 +226,7 @@ class HpuW8A8Fp8(CompressedTensorsScheme):
         else:
             layer.input_scale = None
 
-    def apply_weights(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply_weights(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8.apply_fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
@@ -245,7 +243,7 @@ class HpuWNA16Uint4(CompressedTensorsScheme):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         output_size: int,
         input_size: int,
         output_partition_sizes: list[int],
@@ -317,7 +315,7 @@ class HpuWNA16Uint4(CompressedTensorsScheme):
             BasevLLMParameter(data=torch.empty(2, dtype=torch.int64), weight_loader=weight_loader),
         )
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         # [N, K/8] packed along K -> values [K, N] -> packed along N, [K, N/8].
         values = unpack_cols(layer.weight_packed.data).t()
         scales = layer.weight_scale.data.t().contiguous()  # [G, N]
@@ -332,9 +330,7 @@ class HpuWNA16Uint4(CompressedTensorsScheme):
         layer.register_parameter("qzeros", Parameter(pack_cols(zeros), requires_grad=False))
         layer.register_parameter("scales", Parameter(scales, requires_grad=False))
 
-    def apply_weights(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply_weights(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = dequantize(layer, x.dtype)
         out = torch.matmul(x.reshape(-1, x.shape[-1]), weight)
         if bias is not None:

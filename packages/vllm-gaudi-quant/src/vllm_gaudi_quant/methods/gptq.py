@@ -126,7 +126,7 @@ class HpuGptqConfig(QuantizationConfig):
         # vLLM's default drops every `.g_idx`; act-order checkpoints need it.
         return WeightsMapper()
 
-    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+    def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
         return HpuGptqLinearMethod(self)
@@ -142,7 +142,7 @@ class HpuGptqLinearMethod(Uint4LinearMethod):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         input_size_per_partition: int,
         output_partition_sizes: list[int],
         input_size: int,
@@ -221,7 +221,7 @@ class HpuGptqLinearMethod(Uint4LinearMethod):
                 ),
             )
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         replace_parameter(layer, "qweight", pack_cols(unpack_rows(layer.qweight.data)))
         zeros = unpack_cols(layer.qzeros.data)
         if self.quant_config.checkpoint_format == "gptq":

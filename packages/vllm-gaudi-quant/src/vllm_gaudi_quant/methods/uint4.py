@@ -10,6 +10,8 @@ as Gaudi's own plugin does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 
@@ -55,13 +57,13 @@ def awq_to_plain(packed: torch.Tensor) -> torch.Tensor:
     return pack_cols(plain.reshape(packed.shape[0], -1))
 
 
-def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def replace_parameter(layer: Any, name: str, value: torch.Tensor) -> None:
     """Swap `layer.<name>` for a plain frozen Parameter (vLLM's loader attributes are done)."""
     delattr(layer, name)
     layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
 
 
-def dequantize(layer: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(layer: Any, dtype: torch.dtype) -> torch.Tensor:
     """[K, N] weight of a layer repacked by one of the 4-bit methods, in `dtype`."""
     g_idx = getattr(layer, "hpu_g_idx", None)
     return seam.backend().convert_from_uint4(
@@ -76,9 +78,7 @@ class Uint4LinearMethod(LinearMethodBase):
     `process_weights_after_loading` into `qweight` [K, N/8], `qzeros` [G, N/8], `scales` [G, N]
     (and `hpu_g_idx` [K] when the checkpoint's rows are not in group order)."""
 
-    def apply(
-        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = dequantize(layer, x.dtype)
         out = torch.matmul(x.reshape(-1, x.shape[-1]), weight)
         if bias is not None:
