@@ -98,6 +98,49 @@ def build_fp8_block_dynamic(weight: torch.Tensor) -> Built:
     return _fp8_from_checkpoint(weight, "block", static=False)
 
 
+# ----------------------------------------------------------------------------- 4-bit builders
+def _uint4(weight: torch.Tensor, group: int, act_order: bool) -> Built:
+    """Round-to-nearest asymmetric 4-bit weights in the layout every 4-bit method (AWQ, GPTQ,
+    compressed-tensors WNA16) is repacked into after loading, and the HPU 4-bit forward: dequantize
+    with the seam's convert_from_uint4 to the activation dtype, then one matmul. With `act_order`
+    the rows are grouped in a shuffled order and the kernel reads each row's group from g_idx."""
+    from vllm_gaudi_platform import seam
+    from vllm_gaudi_quant.methods.uint4 import pack_cols
+
+    w = weight.float().t()  # [K, N]
+    k = w.shape[0]
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int64)
+        g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(0))] = (
+            torch.arange(k) // group
+        )
+    else:
+        g_idx = torch.arange(k) // group
+    onehot = torch.nn.functional.one_hot(g_idx, k // group).t().bool()  # [G, K]
+    lo = torch.stack([w[rows].amin(0) for rows in onehot]).clamp(max=0)
+    hi = torch.stack([w[rows].amax(0) for rows in onehot]).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8)
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = (torch.round(w / scales[g_idx]) + zeros[g_idx]).clamp(0, 15)
+    qweight, qzeros = pack_cols(q.long()), pack_cols(zeros.long())
+    scales = scales.to(torch.bfloat16)
+    gidx = g_idx.to(torch.int32) if act_order else None
+    kernels = seam.backend()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x @ kernels.convert_from_uint4(qweight, scales, qzeros, x.dtype, gidx)
+
+    return Built(forward, [qweight, qzeros, scales] + ([gidx] if act_order else []))
+
+
+def build_uint4_g128(weight: torch.Tensor) -> Built:
+    return _uint4(weight, 128, act_order=False)
+
+
+def build_uint4_g128_act_order(weight: torch.Tensor) -> Built:
+    return _uint4(weight, 128, act_order=True)
+
+
 # ----------------------------------------------------------------------------- INC FP8 builder
 def build_inc_fp8(weight: torch.Tensor) -> Built:
     """INC FP8 as `--quantization inc` runs it in emulation: neural-compressor's CPU path measures
@@ -157,6 +200,9 @@ METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
     "fp8 per-tensor, static act": (build_fp8_tensor_static, 0.55),
     "fp8 per-channel, dynamic act": (build_fp8_channel_dynamic, 0.55),
     "fp8 block 128x128, dynamic act": (build_fp8_block_dynamic, 0.55),
+    # AWQ, GPTQ and compressed-tensors WNA16 all run this layout once loaded.
+    "4-bit g128 (awq/gptq/ct-wna16)": (build_uint4_g128, 0.30),
+    "4-bit g128 act-order (gptq)": (build_uint4_g128_act_order, 0.30),
     "inc fp8 (neural-compressor qdq)": (build_inc_fp8, 0.55),
 }
 

@@ -82,7 +82,10 @@ def write(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
             quantized[name] = dequantized[name] = tensor
             continue
         prefix = name[: -len(".weight")]
-        packed, deq = make(tensor, i)
+        # Layers that read the same input (q/k/v, gate/up) share GPTQ's activation order, as in
+        # real checkpoints: vLLM fuses them into one layer with one g_idx.
+        shared = prefix.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+        packed, deq = make(tensor, sum(map(ord, shared.replace("up_proj", "gate_proj"))))
         dequantized[name] = deq.to(tensor.dtype)
         for key, value in packed.items():
             quantized[f"{prefix}.{key}"] = value.contiguous()
