@@ -77,7 +77,7 @@ def write(src: Path, out: Path, fmt: str) -> tuple[Path, Path]:
         shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.safetensors"))
     tensors = load_file(str(src / "model.safetensors"))
     quantized, dequantized = {}, {}
-    for i, (name, tensor) in enumerate(sorted(tensors.items())):
+    for name, tensor in sorted(tensors.items()):
         if not _is_quantized(name):
             quantized[name] = dequantized[name] = tensor
             continue
