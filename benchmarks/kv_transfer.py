@@ -13,7 +13,7 @@ a Gaudi host.
 Part 2 (engines, run under the engine lock): time to first token for one long prompt, through
 `vllm-gaudi proxy` in front of a prefill and a decode instance vs a single instance.
 
-    flock /tmp/vllm-engine.lock python benchmarks/kv_transfer.py
+    python benchmarks/kv_transfer.py
 """
 
 from __future__ import annotations

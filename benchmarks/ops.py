@@ -147,7 +147,11 @@ def activation_cases(tokens: int) -> list[Case]:
 
 
 def moe_cases(decode_tokens: int, prefill_tokens: int) -> list[Case]:
-    import vllm._C  # noqa: F401 - vLLM's CPU kernels (the reference), if the platform did not load them
+    # vLLM's CPU kernels (the reference): its own loader picks _C or _C_AVX2 for this CPU; a direct
+    # `import vllm._C` aborts the process on AVX2-only machines.
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()
     from vllm._custom_ops import cpu_fused_moe, cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
     from vllm.model_executor.layers.fused_moe.config import (

@@ -6,7 +6,7 @@ generates on the dequantized float model (vLLM's top-5 rule at a divergence). Th
 also rounds activations, so it is made from the softer tiny Llama (see tinymodels: "llama-soft")
 whose logits FP8 rounding moves less. One engine process per checkpoint.
 
-Run under the engine lock: flock /tmp/vllm-engine.lock .venv/bin/python -m pytest tests/quant
+Starts engines (slow): .venv/bin/python -m pytest tests/quant
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ dataset, then the QUANTIZE config it wrote runs the model in FP8, with the float
 the FP8 cache the float cache (vLLM's top-5 rule at a divergence). Three engines in all, each
 started once for the module.
 
-Run under the engine lock: flock /tmp/vllm-engine.lock .venv/bin/python -m pytest tests/quant
+Starts engines (slow): .venv/bin/python -m pytest tests/quant
 """
 
 from __future__ import annotations
