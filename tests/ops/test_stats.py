@@ -65,3 +65,30 @@ def test_each_process_adds_its_counts_to_the_file_at_exit(run_python, tmp_path):
         assert result.returncode == 0, result.stderr
 
     assert json.loads(path.read_text()) == {"norm": 2, "rotary": 2}
+
+
+def test_counts_reach_the_file_before_exit_so_a_killed_process_keeps_them(run_python, tmp_path):
+    # vLLM SIGKILLs an engine process that misses its shutdown grace period; no exit handler
+    # runs then. A family's first call is written at once.
+    path = tmp_path / "stats.json"
+    killed = COUNT_TWICE + "; import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+
+    result = run_python(killed, env={stats.STATS_FILE_ENV: str(path)})
+
+    assert result.returncode == -9
+    assert json.loads(path.read_text()) == {"norm": 1, "rotary": 1}
+
+
+def test_periodic_and_exit_writes_add_up_to_the_calls(run_python, tmp_path):
+    path = tmp_path / "stats.json"
+    many = (
+        "from vllm_gaudi_ops import stats; stats.FLUSH_INTERVAL_S = 0.0\n"
+        "for _ in range(7): stats.count('norm')\n"
+        "stats.FLUSH_INTERVAL_S = 3600.0\n"
+        "for _ in range(5): stats.count('norm')"
+    )
+
+    result = run_python(many, env={stats.STATS_FILE_ENV: str(path)})
+
+    assert result.returncode == 0, result.stderr
+    assert json.loads(path.read_text()) == {"norm": 12}

@@ -3,8 +3,12 @@
 `COUNTS` maps a family name ("norm", "rotary", ...) to the number of `forward_oot` calls; tests
 read it in-process. vLLM runs the model in other processes (engine core, workers), so when
 VLLM_HPU_OPS_STATS_FILE names a file, each process that ran an op adds its counts to that JSON
-file (`{"norm": 96, "rotary": 48}`) when the interpreter exits normally. The file is merged
-under an exclusive lock, so concurrent exits are safe; delete it before a run to start from zero.
+file (`{"norm": 96, "rotary": 48}`): at a family's first call, then at most once per
+`FLUSH_INTERVAL_S` while counting, and the rest when the interpreter exits. vLLM force-kills an
+engine process that does not stop within its shutdown grace period (5 s; a loaded machine misses
+it), and a killed process runs no exit handler: the periodic writes keep the counts it had. The file
+is merged under an exclusive lock, so concurrent writers are safe; delete it before a run to start
+from zero.
 
 The counter proves that a family's code ran; it is not a profiler. It counts eager calls only:
 nothing is counted while torch.compile traces a model. vLLM's trace-once compilation (Gaudi's
@@ -19,17 +23,25 @@ import atexit
 import contextlib
 import json
 import os
+import time
 
 from vllm_gaudi_platform.envs import VLLM_HPU_OPS_STATS_FILE as STATS_FILE_ENV
 
 COUNTS: dict[str, int] = {}
+FLUSH_INTERVAL_S = 1.0
+
+_path = os.environ.get(STATS_FILE_ENV) or None
+_written: dict[str, int] = {}  # the part of COUNTS already added to the file
+_next_flush = 0.0
 
 
 def count(family: str) -> None:
     """Record one forward_oot call of `family` (a dict update: cheap enough for every call)."""
     if _is_compiling():
         return
-    COUNTS[family] = COUNTS.get(family, 0) + 1
+    n = COUNTS[family] = COUNTS.get(family, 0) + 1
+    if _path is not None and (n == 1 or time.monotonic() >= _next_flush):
+        _flush()
 
 
 def _is_compiling() -> bool:
@@ -58,11 +70,16 @@ def merge_into_file(path: str, counts: dict[str, int]) -> None:
         f.flush()
 
 
-def _write_at_exit() -> None:
-    path = os.environ.get(STATS_FILE_ENV)
-    if path and COUNTS:
-        merge_into_file(path, dict(COUNTS))
+def _flush() -> None:
+    """Add the counts not yet written to the stats file."""
+    global _next_flush
+    _next_flush = time.monotonic() + FLUSH_INTERVAL_S
+    delta = {f: n - _written.get(f, 0) for f, n in COUNTS.items() if n != _written.get(f, 0)}
+    if _path is None or not delta:
+        return
+    merge_into_file(_path, delta)
+    _written.update({f: COUNTS[f] for f in delta})
 
 
-if os.environ.get(STATS_FILE_ENV):
-    atexit.register(_write_at_exit)
+if _path is not None:
+    atexit.register(_flush)
