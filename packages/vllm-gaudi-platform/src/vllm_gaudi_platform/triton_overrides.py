@@ -42,6 +42,252 @@ def compute_slot_mapping(
     slot_mapping[num_tokens:max_num_tokens] = PAD_ID
 
 
+# ------------------------------------------------------------------ speculative decoding
+# vLLM's rejection sampler (vllm/v1/sample/rejection_sampler.py) launches one Triton program per
+# request (or per request and draft position) that walks the request's draft tokens. These
+# stand-ins compute the same result for the whole batch at once on [batch, max_spec_len] views of
+# the flat per-token tensors: the tensor shapes depend only on the batch size, max_spec_len and
+# the vocabulary, never on how many drafts each request got. Parameter names are the kernels'
+# own, so vLLM's launcher passes every argument by name.
+
+PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for an output position that holds no token
+
+
+def _draft_grid(
+    cu_num_draft_tokens: torch.Tensor, max_spec_len: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per request: flat index of each draft position, whether it is a real draft, draft count.
+
+    Request r owns flat positions [cu[r-1], cu[r]). Positions past a request's count map to -1
+    (the one padding slot `_gather_drafts` appends), so gathers stay in bounds for any batch,
+    including one with no drafts at all.
+    """
+    cu = cu_num_draft_tokens.to(torch.int64)
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    counts = cu - starts
+    offsets = torch.arange(max_spec_len, device=cu.device)
+    valid = offsets.unsqueeze(0) < counts.unsqueeze(1)
+    index = torch.where(valid, starts.unsqueeze(1) + offsets, -1)
+    return index, valid, counts
+
+
+def _gather_drafts(values: torch.Tensor, index: torch.Tensor, fill: float | int) -> torch.Tensor:
+    """values[index] for a flat per-token tensor, with `fill` where index is -1."""
+    padded = torch.cat([values.reshape(-1), values.new_full((1,), fill)])
+    return padded[index]
+
+
+def _write_accepted(
+    output_token_ids: torch.Tensor,
+    rows: torch.Tensor,
+    accepted: torch.Tensor,
+    valid: torch.Tensor,
+    counts: torch.Tensor,
+    on_reject: torch.Tensor,
+    drafts: torch.Tensor,
+    bonus: torch.Tensor,
+) -> None:
+    """Write what the kernels write for the requests in `rows`.
+
+    Position p gets the draft if it is accepted, else the replacement token (and the walk stops):
+    so p is written when every earlier position was accepted. When all drafts are accepted the
+    bonus token goes right after them. Other positions (and rows) keep their content.
+    """
+    batch, width = output_token_ids.shape
+    max_spec_len = accepted.shape[1]
+    accepted = accepted & valid
+    # Number of leading accepted drafts per request.
+    num_accepted = torch.cumprod(accepted.to(torch.int64), dim=1).sum(dim=1)
+    positions = torch.arange(max_spec_len, device=accepted.device).unsqueeze(0)
+    written = valid & (positions <= num_accepted.unsqueeze(1))
+    tokens = torch.where(accepted, drafts, on_reject)
+    all_accepted = num_accepted == counts
+    columns = torch.arange(width, device=accepted.device).unsqueeze(0)
+    bonus_here = (columns == counts.unsqueeze(1)) & all_accepted.unsqueeze(1)
+    pad = width - max_spec_len
+    written_full = torch.nn.functional.pad(written, (0, pad)) | bonus_here
+    tokens_full = torch.nn.functional.pad(tokens, (0, pad))
+    tokens_full = torch.where(
+        bonus_here, bonus.reshape(batch, 1).to(tokens_full.dtype), tokens_full
+    )
+    mask = written_full & rows.reshape(batch, 1)
+    output_token_ids.copy_(
+        torch.where(mask, tokens_full.to(output_token_ids.dtype), output_token_ids)
+    )
+
+
+def rejection_greedy_sample(
+    output_token_ids_ptr: torch.Tensor,
+    cu_num_draft_tokens_ptr: torch.Tensor,
+    draft_token_ids_ptr: torch.Tensor,
+    target_argmax_ptr: torch.Tensor,
+    bonus_token_ids_ptr: torch.Tensor,
+    is_greedy_ptr: torch.Tensor | None,
+    max_spec_len: int,
+    uniform_probs_ptr: torch.Tensor | None,
+    synthetic_conditional_rates_ptr: torch.Tensor | None,
+    SYNTHETIC_MODE: bool,
+) -> None:
+    """Greedy verification: keep drafts while they equal the target argmax.
+
+    The first mismatching position gets the target argmax; if every draft matches, the bonus token
+    follows. In synthetic mode a draft is accepted when its uniform sample is under the
+    position's rate and it is not a -1 padding draft. Rows with is_greedy False are left alone.
+    """
+    out = output_token_ids_ptr
+    batch = out.shape[0]
+    index, valid, counts = _draft_grid(cu_num_draft_tokens_ptr, max_spec_len)
+    drafts = _gather_drafts(draft_token_ids_ptr.to(torch.int64), index, PLACEHOLDER_TOKEN_ID)
+    argmax = _gather_drafts(target_argmax_ptr.to(torch.int64), index, 0)
+    if SYNTHETIC_MODE:
+        assert uniform_probs_ptr is not None and synthetic_conditional_rates_ptr is not None
+        uniform = _gather_drafts(uniform_probs_ptr, index, 1.0)
+        positions = torch.arange(max_spec_len, device=out.device)
+        rates = synthetic_conditional_rates_ptr[
+            positions.clamp(max=synthetic_conditional_rates_ptr.numel() - 1)
+        ]
+        accepted = (uniform < rates.unsqueeze(0)) & (drafts >= 0)
+    else:
+        accepted = drafts == argmax
+    if is_greedy_ptr is None:
+        rows = torch.ones(batch, dtype=torch.bool, device=out.device)
+    else:
+        rows = is_greedy_ptr.to(torch.bool)
+    _write_accepted(out, rows, accepted, valid, counts, argmax, drafts, bonus_token_ids_ptr)
+
+
+def rejection_random_sample(
+    output_token_ids_ptr: torch.Tensor,
+    cu_num_draft_tokens_ptr: torch.Tensor,
+    draft_token_ids_ptr: torch.Tensor,
+    draft_probs_ptr: torch.Tensor | None,
+    target_probs_ptr: torch.Tensor,
+    bonus_token_ids_ptr: torch.Tensor,
+    recovered_token_ids_ptr: torch.Tensor,
+    uniform_probs_ptr: torch.Tensor,
+    is_greedy_ptr: torch.Tensor,
+    max_spec_len: int,
+    vocab_size: int,
+    synthetic_conditional_rates_ptr: torch.Tensor | None,
+    NO_DRAFT_PROBS: bool,
+    SYNTHETIC_MODE: bool,
+) -> None:
+    """Random-sampling verification (Leviathan et al.): accept draft d at position p when
+    target_prob(d) / draft_prob(d) >= u_p (draft_prob is 1 without draft probabilities, a zero
+    draft_prob rejects); a rejected position gets its recovered token. -1 drafts are rejected.
+    Rows with is_greedy True are left alone."""
+    out = output_token_ids_ptr
+    index, valid, counts = _draft_grid(cu_num_draft_tokens_ptr, max_spec_len)
+    drafts = _gather_drafts(draft_token_ids_ptr.to(torch.int64), index, PLACEHOLDER_TOKEN_ID)
+    uniform = _gather_drafts(uniform_probs_ptr, index, 1.0)
+    recovered = _gather_drafts(recovered_token_ids_ptr.to(torch.int64), index, 0)
+    real = drafts >= 0
+    if SYNTHETIC_MODE:
+        assert synthetic_conditional_rates_ptr is not None
+        positions = torch.arange(max_spec_len, device=out.device)
+        rates = synthetic_conditional_rates_ptr[
+            positions.clamp(max=synthetic_conditional_rates_ptr.numel() - 1)
+        ]
+        accepted = real & (uniform < rates.unsqueeze(0))
+    else:
+        # Row of each (request, position) in the flat [num_tokens, vocab] probability tensors;
+        # padding positions and -1 drafts read row 0 / token 0 and are masked out below.
+        flat_rows = index.clamp(min=0)
+        token = drafts.clamp(min=0)
+        target_probs = target_probs_ptr.reshape(-1, vocab_size)
+        if target_probs.shape[0] == 0:
+            target_prob = torch.zeros(drafts.shape, dtype=target_probs.dtype, device=out.device)
+        else:
+            target_prob = target_probs[flat_rows, token]
+        if NO_DRAFT_PROBS or draft_probs_ptr is None:
+            accepted = real & (target_prob >= uniform)
+        else:
+            draft_probs = draft_probs_ptr.reshape(-1, vocab_size)
+            if draft_probs.shape[0] == 0:
+                draft_prob = torch.zeros_like(target_prob)
+            else:
+                draft_prob = draft_probs[flat_rows, token]
+            # A zero draft probability rejects (and would divide by zero).
+            safe = torch.where(draft_prob > 0, draft_prob, torch.ones_like(draft_prob))
+            accepted = real & (draft_prob > 0) & (target_prob / safe >= uniform)
+    rows = ~is_greedy_ptr.to(torch.bool)
+    _write_accepted(out, rows, accepted, valid, counts, recovered, drafts, bonus_token_ids_ptr)
+
+
+def expand(
+    output_ptr: torch.Tensor,
+    input_ptr: torch.Tensor,
+    cu_num_tokens_ptr: torch.Tensor,
+    replace_from: float | int,
+    replace_to: float | int,
+    MAX_NUM_TOKENS: int,
+) -> None:
+    """output[t] = input[request of t] (replace_from swapped for replace_to), for the first
+    MAX_NUM_TOKENS tokens of each request; positions past the last request keep their content."""
+    n = output_ptr.shape[0]
+    if n == 0:
+        return
+    cu = cu_num_tokens_ptr.to(torch.int64)
+    token = torch.arange(n, device=output_ptr.device)
+    # Request r owns tokens [cu[r-1], cu[r]): the first r with cu[r] > t.
+    request = torch.searchsorted(cu, token, right=True)
+    inside = request < cu.numel()
+    request = request.clamp(max=cu.numel() - 1)
+    starts = torch.cat([cu.new_zeros(1), cu[:-1]])
+    inside &= (token - starts[request]) < MAX_NUM_TOKENS
+    values = torch.where(
+        input_ptr == replace_from, torch.full_like(input_ptr, replace_to), input_ptr
+    )
+    output_ptr.copy_(torch.where(inside, values[request], output_ptr))
+
+
+def sample_recovered_tokens(
+    output_token_ids_ptr: torch.Tensor,
+    cu_num_draft_tokens_ptr: torch.Tensor,
+    draft_token_ids_ptr: torch.Tensor,
+    draft_probs_ptr: torch.Tensor | None,
+    target_probs_ptr: torch.Tensor,
+    inv_q_ptr: torch.Tensor,
+    vocab_size: int,
+    BLOCK_SIZE: int,
+    NO_DRAFT_PROBS: bool,
+    USE_FP64_GUMBEL: bool,
+) -> None:
+    """Recovered token per draft position: argmax over the vocabulary of p(v) * inv_q[request, v],
+    with p = target probabilities without the draft token (no draft probabilities) or
+    max(target - draft, 0); ties go to the lowest token id, as in the kernel."""
+    num_tokens = output_token_ids_ptr.shape[0]
+    if num_tokens == 0:
+        return
+    cu = cu_num_draft_tokens_ptr.to(torch.int64)
+    token = torch.arange(num_tokens, device=output_token_ids_ptr.device)
+    request = torch.searchsorted(cu, token, right=True)
+    inside = request < cu.numel()
+    request = request.clamp(max=cu.numel() - 1)
+    target = target_probs_ptr.reshape(-1, vocab_size)[:num_tokens]
+    if NO_DRAFT_PROBS or draft_probs_ptr is None:
+        vocab = torch.arange(vocab_size, device=target.device)
+        is_draft = vocab.unsqueeze(0) == draft_token_ids_ptr[:num_tokens].to(torch.int64).unsqueeze(
+            1
+        )
+        prob = target.masked_fill(is_draft, 0.0)
+    else:
+        draft = draft_probs_ptr.reshape(-1, vocab_size)[:num_tokens]
+        prob = torch.clamp(target - draft, min=0.0)
+    score = prob * inv_q_ptr.reshape(-1, vocab_size)[request]
+    recovered = score.argmax(dim=-1).clamp(max=vocab_size - 1)
+    output_token_ids_ptr.copy_(
+        torch.where(inside, recovered.to(output_token_ids_ptr.dtype), output_token_ids_ptr)
+    )
+
+
+SPEC_DECODE_KERNELS = {
+    "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel": rejection_greedy_sample,
+    "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel": rejection_random_sample,
+    "vllm.v1.sample.rejection_sampler.expand_kernel": expand,
+    "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel": sample_recovered_tokens,
+}
+
 _registered = False
 
 
@@ -52,6 +298,9 @@ def register() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
     register_kernels(
-        {"vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping}
+        {
+            "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
+            **SPEC_DECODE_KERNELS,
+        }
     )
     _registered = True
