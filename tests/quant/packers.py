@@ -137,7 +137,8 @@ def pack_ct_wna16(qt: Quantized, *, sym: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def ct_wna16_config(group_size: int, *, sym: bool) -> dict:
+def ct_wna16_config(group_size: int | None, *, sym: bool) -> dict:
+    """compressed-tensors WNA16; `group_size` None: one scale per output channel."""
     return {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
@@ -149,7 +150,7 @@ def ct_wna16_config(group_size: int, *, sym: bool) -> dict:
                     "num_bits": 4,
                     "type": "int",
                     "symmetric": sym,
-                    "strategy": "group",
+                    "strategy": "group" if group_size else "channel",
                     "group_size": group_size,
                     "dynamic": False,
                 },

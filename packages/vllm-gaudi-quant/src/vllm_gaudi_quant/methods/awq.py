@@ -5,6 +5,9 @@ probes registered custom methods before its own), parsed by vLLM's AutoAWQ confi
 weights are repacked once after loading: AWQ interleaves the columns inside each int32 word
 (`AWQ_ORDER`); Gaudi's `convert_from_uint4` reads them in plain order. Zero points are stored as
 is (AWQ keeps the real zero point), scales [G, N] unchanged.
+
+MoE layers (Mixtral...): each expert's qweight/qzeros/scales load stacked per projection (w13 =
+gate and up, w2 = down), are repacked the same way once, and run through `Uint4MoEMethod`.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 import torch
 from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import (
     LinearBase,
     UnquantizedLinearMethod,
@@ -22,25 +26,30 @@ from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig, Base
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 
-from vllm_gaudi_quant.methods.uint4 import Uint4LinearMethod, awq_to_plain, replace_parameter
+from vllm_gaudi_quant.methods.uint4 import (
+    GROUP,
+    PACK,
+    REPLICATED,
+    Uint4Config,
+    Uint4Experts,
+    Uint4LinearMethod,
+    Uint4MoEMethod,
+    awq_to_plain,
+    check_expert_sizes,
+    per_expert,
+    replace_parameter,
+)
 
 logger = init_logger(f"vllm.{__name__}")
 
 NAME = "awq_hpu"
 
 
-def _claims(hf_quant_cfg: dict[str, Any], user_quant: str | None, marker: str) -> bool:
-    """True when the active platform is HPU and the checkpoint says `marker`, unless the user
-    asked for a different method."""
-    from vllm_gaudi_platform.plugins import hpu_platform_active
-
-    if str(hf_quant_cfg.get("quant_method", "")).lower() != marker:
-        return False
-    return hpu_platform_active() and user_quant in (None, marker, f"{marker}_hpu")
-
-
-class HpuAwqConfig(AutoAWQConfig):
+class HpuAwqConfig(Uint4Config, AutoAWQConfig):
     """AWQ on HPU: vLLM's AutoAWQ parsing, Gaudi's 4-bit kernel."""
+
+    hpu_name = NAME
+    checkpoint_marker = "awq"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -51,35 +60,22 @@ class HpuAwqConfig(AutoAWQConfig):
                 "the checkpoint stores qzeros."
             )
 
-    @classmethod
-    def get_name(cls) -> str:  # type: ignore[override]
-        return NAME
-
-    @classmethod
-    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
-        return [torch.bfloat16, torch.float16, torch.float32]
-
-    @classmethod
-    def get_min_capability(cls) -> int:
-        return 0  # a CUDA notion; Gaudi has none
-
-    @classmethod
-    def override_quantization_method(  # type: ignore[override]
-        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
-    ) -> str | None:
-        return NAME if _claims(hf_quant_cfg, user_quant, "awq") else None
-
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
-        if not isinstance(layer, LinearBase):
-            return None
-        if is_layer_skipped(
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod() if self._skipped(prefix) else HpuAwqLinearMethod(self)
+        if isinstance(layer, RoutedExperts):
+            if self._skipped(prefix):
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            return HpuAwqMoEMethod(self, layer)
+        return None
+
+    def _skipped(self, prefix: str) -> bool:
+        return is_layer_skipped(
             prefix,
             self.modules_to_not_convert,
             self.packed_modules_mapping,
             match_mode="substring",
-        ):
-            return UnquantizedLinearMethod()
-        return HpuAwqLinearMethod(self)
+        )
 
 
 # Its parameters are vLLM parameter classes, which shard themselves (weight_loader_v2).
@@ -93,3 +89,59 @@ class HpuAwqLinearMethod(BaseAWQLinearMethod, Uint4LinearMethod):
         replace_parameter(layer, "scales", layer.scales.data)
 
     apply = Uint4LinearMethod.apply
+
+
+class HpuAwqMoEMethod(Uint4MoEMethod):
+    """AWQ experts: each expert's tensors as AWQ stores them (qweight [K, N/8] in AWQ's column
+    order, qzeros [G, N/8], scales [G, N]), stacked per projection, repacked once."""
+
+    label = "AWQ"
+
+    def __init__(self, quant_config: HpuAwqConfig, layer: Any) -> None:
+        super().__init__(layer)
+        self.quant_config = quant_config
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        group = self.quant_config.group_size
+        hidden, inter = hidden_size, intermediate_size_per_partition
+        check_expert_sizes(self.label, hidden, inter, group)
+        n13 = self.moe.w13_num_shards * inter
+        g13 = hidden // group if group != -1 else 1
+        # One group over a row-parallel shard of w2: every rank keeps it whole.
+        g2 = inter // group if group != -1 else 1
+        # AWQ stores [K, N]: vLLM's expert loader splits the other dim (is_transposed).
+        attrs = {**extra_weight_attrs, "is_transposed": True, "quant_method": GROUP}
+        w2_scale_attrs = {**attrs, "quant_method": GROUP if group != -1 else REPLICATED}
+        e, i32 = num_experts, torch.int32
+        self.add_parameter(
+            layer, "w13_qweight", torch.empty(e, hidden, n13 // PACK, dtype=i32), attrs
+        )
+        self.add_parameter(layer, "w13_qzeros", torch.empty(e, g13, n13 // PACK, dtype=i32), attrs)
+        self.add_parameter(layer, "w13_scales", torch.empty(e, g13, n13, dtype=params_dtype), attrs)
+        self.add_parameter(
+            layer, "w2_qweight", torch.empty(e, inter, hidden // PACK, dtype=i32), attrs
+        )
+        self.add_parameter(
+            layer, "w2_qzeros", torch.empty(e, g2, hidden // PACK, dtype=i32), w2_scale_attrs
+        )
+        self.add_parameter(
+            layer, "w2_scales", torch.empty(e, g2, hidden, dtype=params_dtype), w2_scale_attrs
+        )
+
+    def repack(self, layer: Any) -> dict[str, Uint4Experts]:
+        return {
+            proj: Uint4Experts(
+                qweight=per_expert(awq_to_plain, getattr(layer, f"{proj}_qweight").data),
+                qzeros=per_expert(awq_to_plain, getattr(layer, f"{proj}_qzeros").data),
+                scales=getattr(layer, f"{proj}_scales").data,
+            )
+            for proj in ("w13", "w2")
+        }

@@ -13,8 +13,18 @@ cache scheme); this subclass only swaps the per-layer schemes for ones that run 
   signed value + 8, zero points too), so the stored values subtract exactly like unsigned ones
   and a symmetric layer's zero point is 8.
 
-Any other scheme is refused when the model is built, naming the layer and what runs on HPU.
-MoE layers of compressed-tensors checkpoints are not supported yet (refused the same way).
+MoE layers (`HpuWNA16MoE`): experts in the same 4-bit WNA16 scheme load stacked per projection
+(w13 = gate and up, w2 = down), are repacked the same way and run through
+`methods.uint4.Uint4MoEMethod` (dequantize, then the bf16 mixture_of_experts kernel).
+
+Any other scheme is refused when the model is built, naming the layer and what runs on HPU (FP8
+experts of compressed-tensors checkpoints among them, for now).
+
+KV cache: a checkpoint with a `kv_cache_scheme` (8-bit float, symmetric, one scale per tensor)
+stores its KV cache in FP8 with the checkpoint's k/v scales: `hpu_check_vllm_config` turns
+kv_cache_dtype "auto" into "fp8" before any engine starts (an explicit kv_cache_dtype wins, as
+in vLLM), and vLLM's compressed-tensors KV method loads `k_scale`/`v_scale` into the attention
+layers, whose HPU backend quantizes with them.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationStrategy, QuantizationType
 from torch.nn import Parameter
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe import RoutedExperts, UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
     CompressedTensorsConfig,
@@ -46,9 +56,15 @@ from vllm.model_executor.parameter import (
 
 from vllm_gaudi_quant.methods import fp8
 from vllm_gaudi_quant.methods.uint4 import (
+    GROUP,
     PACK,
+    REPLICATED,
+    Uint4Experts,
+    Uint4MoEMethod,
+    check_expert_sizes,
     dequantize,
     pack_cols,
+    per_expert,
     replace_parameter,
     unpack_cols,
     unpack_rows,
@@ -83,12 +99,70 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
 
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
-            raise ValueError(
-                f"compressed-tensors checkpoint: layer {prefix!r} is a mixture of experts, which "
-                "compressed-tensors does not run on HPU yet; use an fp8 or GPTQ/AWQ checkpoint "
-                "for MoE models."
-            )
+            return self._moe_method(layer, prefix)
         return super().get_quant_method(layer, prefix)
+
+    def _moe_method(self, layer: Any, prefix: str) -> QuantizeMethodBase:
+        # Checkpoint configs target "Linear"; the experts are that scheme's linears, fused.
+        self._add_fused_moe_to_target_scheme_map()
+        projections = (
+            layer.ckpt_gate_proj_name,
+            layer.ckpt_up_proj_name,
+            layer.ckpt_down_proj_name,
+        )
+        schemes = [self.get_scheme_dict(layer, f"{prefix}.0.{p}") for p in projections if p]
+        if any(scheme != schemes[0] for scheme in schemes):
+            raise ValueError(
+                f"compressed-tensors checkpoint: the experts of MoE layer {prefix!r} are "
+                "quantized with different schemes per projection; HPU runs them only when "
+                "gate, up and down share one scheme."
+            )
+        if schemes[0] is None:  # the experts are in the ignore list
+            return UnquantizedFusedMoEMethod(layer.moe_config)
+        weights, inputs = schemes[0].get("weights"), schemes[0].get("input_activations")
+        format = schemes[0].get("format") or self.quant_format
+        if (
+            isinstance(weights, QuantizationArgs)
+            and inputs is None
+            and format == "pack-quantized"
+            and _is_wna16_int4(weights)
+        ):
+            group = weights.group_size
+            return HpuWNA16MoE(
+                layer,
+                group_size=-1 if weights.strategy == QuantizationStrategy.CHANNEL else group,
+                symmetric=bool(weights.symmetric),
+            )
+        described = _describe(weights if isinstance(weights, QuantizationArgs) else None)
+        raise ValueError(
+            f"compressed-tensors checkpoint: MoE layer {prefix!r} uses a scheme HPU does not run "
+            f"for experts (weights {described}, activations "
+            f"{_describe(inputs if isinstance(inputs, QuantizationArgs) else None)}, format "
+            f"{format}); supported on HPU for MoE: 4-bit WNA16 pack-quantized (group or channel, "
+            "symmetric or not)."
+        )
+
+    def hpu_check_vllm_config(self, vllm_config: Any) -> None:
+        """A `kv_cache_scheme` means an FP8 KV cache with the checkpoint's k/v scales: check the
+        scheme is one HPU runs and select the FP8 cache, while vLLM is still building its config
+        (before any engine starts). An explicit kv_cache_dtype is kept, as vLLM does."""
+        scheme = self.kv_cache_scheme
+        if scheme is None:
+            return
+        kind = (scheme.get("type"), scheme.get("num_bits"), scheme.get("strategy"))
+        if kind != ("float", 8, "tensor") or not scheme.get("symmetric", True):
+            raise ValueError(
+                f"compressed-tensors checkpoint: kv_cache_scheme {scheme} is not one HPU runs; "
+                "its FP8 KV cache takes 8-bit float, symmetric, one scale per tensor (strategy "
+                "'tensor'). Re-export the checkpoint with that kv_cache_scheme, or without one."
+            )
+        cache_config = vllm_config.cache_config
+        if cache_config.cache_dtype == "auto":
+            cache_config.cache_dtype = "fp8"
+            logger.info(
+                "compressed-tensors checkpoint with a kv_cache_scheme: KV cache stored in FP8 "
+                "with the checkpoint's k/v scales."
+            )
 
     def _get_scheme_from_parts(  # type: ignore[override]
         self,
@@ -108,11 +182,7 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
             output_quant is None
             and format == "pack-quantized"
             and input_quant is None
-            and weight_quant.type == QuantizationType.INT
-            and weight_quant.num_bits == 4
-            and not weight_quant.dynamic
-            and weight_quant.actorder in (None, "static")
-            and weight_quant.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
+            and _is_wna16_int4(weight_quant)
         ):
             group = weight_quant.group_size
             return HpuWNA16Uint4(
@@ -124,6 +194,17 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
             f"(weights {_describe(weight_quant)}, activations {_describe(input_quant)}, format "
             f"{format}); supported on HPU: {SUPPORTED}."
         )
+
+
+def _is_wna16_int4(weights: QuantizationArgs) -> bool:
+    """4-bit integer weights with static group or channel scales and no activation order."""
+    return (
+        weights.type == QuantizationType.INT
+        and weights.num_bits == 4
+        and not weights.dynamic
+        and weights.actorder in (None, "static")
+        and weights.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.CHANNEL)
+    )
 
 
 def _describe(args: QuantizationArgs | None) -> str:
@@ -336,3 +417,84 @@ class HpuWNA16Uint4(CompressedTensorsScheme):
         if bias is not None:
             out.add_(bias)
         return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+class HpuWNA16MoE(Uint4MoEMethod):
+    """4-bit WNA16 experts: each expert's tensors as compressed-tensors stores them
+    (weight_packed [N, K/8] packed along K, weight_scale [N, G], weight_zero_point [N/8, G] when
+    asymmetric, weight_shape), stacked per projection, repacked once."""
+
+    label = "compressed-tensors"
+
+    def __init__(self, layer: Any, group_size: int, symmetric: bool) -> None:
+        super().__init__(layer)
+        self.group_size = group_size
+        self.symmetric = symmetric
+
+    def create_weights(
+        self,
+        layer: Any,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        group = self.group_size
+        hidden, inter = hidden_size, intermediate_size_per_partition
+        check_expert_sizes(self.label, hidden, inter, group)
+        n13 = self.moe.w13_num_shards * inter
+        g13 = hidden // group if group != -1 else 1
+        g2 = inter // group if group != -1 else 1
+        # Stored [N, K] like vLLM's own weights: the expert loader splits them as they are.
+        attrs = {**extra_weight_attrs, "quant_method": GROUP}
+        # One group over a row-parallel shard of w2: every rank keeps it whole.
+        w2_attrs = {**attrs, "quant_method": GROUP if group != -1 else REPLICATED}
+        e, i32 = num_experts, torch.int32
+        self.add_parameter(
+            layer, "w13_weight_packed", torch.empty(e, n13, hidden // PACK, dtype=i32), attrs
+        )
+        self.add_parameter(
+            layer, "w13_weight_scale", torch.empty(e, n13, g13, dtype=params_dtype), attrs
+        )
+        self.add_parameter(
+            layer, "w2_weight_packed", torch.empty(e, hidden, inter // PACK, dtype=i32), attrs
+        )
+        self.add_parameter(
+            layer, "w2_weight_scale", torch.empty(e, hidden, g2, dtype=params_dtype), w2_attrs
+        )
+        if not self.symmetric:
+            self.add_parameter(
+                layer, "w13_weight_zero_point", torch.empty(e, n13 // PACK, g13, dtype=i32), attrs
+            )
+            self.add_parameter(
+                layer,
+                "w2_weight_zero_point",
+                torch.empty(e, hidden // PACK, g2, dtype=i32),
+                w2_attrs,
+            )
+        for proj in ("w13", "w2"):
+            self.add_parameter(
+                layer, f"{proj}_weight_shape", torch.empty(e, 2, dtype=torch.int64), attrs
+            )
+
+    def repack(self, layer: Any) -> dict[str, Uint4Experts]:
+        packed = {}
+        for proj in ("w13", "w2"):
+            # [N, K/8] packed along K -> values [K, N] -> packed along N, [K, N/8].
+            qweight = per_expert(
+                lambda w: pack_cols(unpack_cols(w).t()),
+                getattr(layer, f"{proj}_weight_packed").data,
+            )
+            scales = getattr(layer, f"{proj}_weight_scale").data.transpose(1, 2)  # [E, G, N]
+            if self.symmetric:
+                zeros = torch.full(scales.shape, SYMMETRIC_ZERO, dtype=torch.int32)
+            else:
+                # [N/8, G] packed along N -> [G, N]
+                zeros = per_expert(
+                    lambda z: unpack_rows(z).t(), getattr(layer, f"{proj}_weight_zero_point").data
+                )
+            packed[proj] = Uint4Experts(
+                qweight=qweight, qzeros=per_expert(pack_cols, zeros), scales=scales
+            )
+        return packed

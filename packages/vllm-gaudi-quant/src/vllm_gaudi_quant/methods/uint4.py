@@ -6,14 +6,28 @@ column 8j+i), zero points packed the same way and holding the zero point itself,
 Every 4-bit format (AWQ, GPTQ, compressed-tensors pack-quantized) is rewritten into that layout
 once, after loading; the forward pass dequantizes to the activation dtype and runs one matmul,
 as Gaudi's own plugin does.
+
+Mixture of experts (`Uint4MoEMethod`): the experts' weights are repacked the same way, one
+[K, N/8] matrix per expert and projection (w13: gate and up fused, gate columns first, K = hidden;
+w2: down, K = intermediate). Each call dequantizes the local experts with `convert_from_uint4`
+and runs the bf16 `mixture_of_experts` kernel: the 4-bit memory footprint, not 4-bit compute,
+which is what Gaudi's plugin does for 4-bit MoE.
+
+`Uint4Config` holds what the AWQ and GPTQ configs share: their name, the activation dtypes and
+claiming checkpoints of their format on the HPU platform.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform import seam
 
@@ -84,3 +98,204 @@ class Uint4LinearMethod(LinearMethodBase):
         if bias is not None:
             out.add_(bias)
         return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def per_expert(fn: Callable[[torch.Tensor], torch.Tensor], stacked: torch.Tensor) -> torch.Tensor:
+    """`fn` applied to each expert's matrix of an [E, ...] tensor, stacked again."""
+    return torch.stack([fn(matrix) for matrix in stacked.unbind(0)])
+
+
+# ----------------------------------------------------------------------------- config
+def claims(hf_quant_cfg: dict[str, Any], user_quant: str | None, marker: str) -> bool:
+    """True when the active platform is HPU and the checkpoint says `marker`, unless the user
+    asked for a different method."""
+    from vllm_gaudi_platform.plugins import hpu_platform_active
+
+    if str(hf_quant_cfg.get("quant_method", "")).lower() != marker:
+        return False
+    return hpu_platform_active() and user_quant in (None, marker, f"{marker}_hpu")
+
+
+class Uint4Config:
+    """Mixed in before vLLM's QuantizationConfig by the 4-bit configs (`awq_hpu`, `gptq_hpu`):
+    the method's name, and claiming checkpoints whose quant_method is `checkpoint_marker` when
+    the platform is HPU (vLLM probes custom methods' override_quantization_method first)."""
+
+    hpu_name: ClassVar[str]
+    checkpoint_marker: ClassVar[str]
+
+    @classmethod
+    def get_name(cls) -> Any:  # QuantizationMethods, a Literal of vLLM's own names
+        return cls.hpu_name
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # a CUDA notion; Gaudi has none
+
+    @classmethod
+    def override_quantization_method(
+        cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None
+    ) -> Any:
+        return cls.hpu_name if claims(hf_quant_cfg, user_quant, cls.checkpoint_marker) else None
+
+
+# ----------------------------------------------------------------------------- MoE
+# vLLM's MoE activations and the kernel's names for them (Gaudi's "gelu" is the tanh form).
+KERNEL_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU_TANH: "gelu"}
+GROUP = FusedMoeWeightScaleSupported.GROUP.value
+# Scales and zeros every rank keeps whole (vLLM's expert loader copies them without splitting).
+REPLICATED = FusedMoeWeightScaleSupported.CHANNEL.value
+
+
+@dataclass
+class Uint4Experts:
+    """One projection's experts in `convert_from_uint4`'s layout (E local experts)."""
+
+    qweight: torch.Tensor  # int32 [E, K, N/8], packed along N
+    qzeros: torch.Tensor  # int32 [E, G, N/8], the zero points themselves
+    scales: torch.Tensor  # [E, G, N]
+    g_idx: torch.Tensor | None = None  # int32 [E, K], each row's group, when not in order
+
+
+def unsupported_moe(layer: Any) -> str | None:
+    """What the 4-bit MoE path cannot run in this RoutedExperts layer, or None."""
+    moe = layer.moe_config
+    if moe.activation not in KERNEL_ACTIVATIONS:
+        names = ", ".join(a.value for a in KERNEL_ACTIVATIONS)
+        return f"activation {moe.activation.value!r} (the kernel supports {names})"
+    if moe.has_bias:
+        return "expert biases"
+    if getattr(moe, "has_hash_routing", False):
+        return "hash routing"
+    if layer.use_grouped_topk or layer.e_score_correction_bias is not None:
+        return "grouped or bias-corrected routing"
+    if layer.custom_routing_function is None and layer.scoring_func not in ("softmax", "sigmoid"):
+        return f"scoring function {layer.scoring_func!r}"
+    return None
+
+
+class Uint4MoEMethod(FusedMoEMethodBase):
+    """Forward of every 4-bit MoE layer on HPU: route in torch, dequantize the local experts
+    with `convert_from_uint4`, run the bf16 `mixture_of_experts` kernel.
+
+    Subclasses create the checkpoint's parameters with `add_parameter` in `create_weights`
+    (vLLM's expert loader fills them) and implement `repack`, which returns both projections
+    in the kernel's layout; the checkpoint's parameters are then dropped."""
+
+    label: ClassVar[str]  # the format, as error messages name it
+
+    def __init__(self, layer: Any) -> None:
+        super().__init__(layer.moe_config)
+        problem = unsupported_moe(layer)
+        if problem is not None:
+            raise ValueError(
+                f"{self.label} checkpoint: MoE layer {layer.layer_name!r} uses {problem}, which "
+                "the 4-bit MoE path on HPU does not run yet; vllm-gaudi-quant cannot serve it."
+            )
+        self.kernel_activation = KERNEL_ACTIVATIONS[layer.moe_config.activation]
+        self._checkpoint_params: list[str] = []
+
+    @property
+    def is_monolithic(self) -> bool:
+        # vLLM's routers call top-k kernels built for CUDA/ROCm/CPU: this method routes itself.
+        return True
+
+    def get_fused_moe_quant_config(self, layer: Any) -> None:
+        # Only vLLM's modular kernels read this; the HPU method runs its own kernel.
+        return None
+
+    def add_parameter(
+        self, layer: Any, name: str, data: torch.Tensor, attrs: dict[str, Any]
+    ) -> None:
+        """Register a checkpoint parameter of the layer, loaded by `attrs["weight_loader"]`."""
+        param = torch.nn.Parameter(data, requires_grad=False)
+        layer.register_parameter(name, param)
+        set_weight_attrs(param, attrs)
+        self._checkpoint_params.append(name)
+
+    def repack(self, layer: Any) -> dict[str, Uint4Experts]:
+        """The loaded checkpoint parameters as {"w13": ..., "w2": ...}."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: Any) -> None:
+        packed = self.repack(layer)
+        for name in self._checkpoint_params:
+            delattr(layer, name)
+        self._checkpoint_params = []
+        for proj, experts in packed.items():
+            for field in ("qweight", "qzeros", "scales"):
+                value = getattr(experts, field).contiguous()
+                layer.register_parameter(
+                    f"{proj}_{field}", torch.nn.Parameter(value, requires_grad=False)
+                )
+            if experts.g_idx is not None:
+                layer.register_buffer(
+                    f"{proj}_hpu_g_idx", experts.g_idx.to(torch.int32), persistent=False
+                )
+
+    def dequantized_experts(self, layer: Any, proj: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each local expert's [K, N] weight of projection `proj` ("w13" or "w2") in `dtype`."""
+        kernels = seam.backend()
+        qweight, qzeros, scales = (
+            getattr(layer, f"{proj}_{f}") for f in ("qweight", "qzeros", "scales")
+        )
+        g_idx = getattr(layer, f"{proj}_hpu_g_idx", None)
+        return [
+            kernels.convert_from_uint4(
+                qweight[e], scales[e], qzeros[e], dtype, None if g_idx is None else g_idx[e]
+            )
+            for e in range(qweight.shape[0])
+        ]
+
+    def apply_monolithic(
+        self,
+        layer: Any,
+        x: torch.Tensor,
+        router_logits: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        from vllm_gaudi_quant.methods.fp8 import route_topk
+
+        weights, ids = route_topk(layer, x, router_logits)
+        sink = getattr(layer, "routing_sink", None)
+        if sink is not None:  # routed-experts capture, as vLLM's monolithic kernels do it
+            captured = sink.buffer[: ids.shape[0]]
+            captured.copy_(ids)
+            sink.capture_fn(captured)
+        num_local = layer.local_num_experts
+        expert_map = layer.expert_map
+        if expert_map is not None:
+            # Expert parallelism: global ids -> this rank's; other ranks' experts (-1) get an id
+            # past the local range, which the kernel skips.
+            ids = expert_map[ids]
+            ids = torch.where(ids < 0, num_local, ids)
+        weights = weights.to(x.dtype)
+        if layer.apply_router_weight_on_input:
+            # Llama 4 (top-1): the router weight scales the input, not the expert output.
+            x = x * weights
+            weights = torch.ones_like(weights)
+        w13 = self.dequantized_experts(layer, "w13", x.dtype)
+        w2 = self.dequantized_experts(layer, "w2", x.dtype)
+        # Dequantized weights are [K, N] = [in, out]: the kernel's unpermuted layout.
+        return seam.backend().mixture_of_experts(
+            x, ids, weights, w13, w2, False, self.kernel_activation, 0, num_local - 1
+        )
+
+    def apply(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} is monolithic: vLLM calls apply_monolithic"
+        )
+
+
+def check_expert_sizes(label: str, hidden: int, inter: int, group_size: int) -> None:
+    """Refuse expert sizes the 4-bit layout cannot split: packing and groups along both K."""
+    for what, size in (("hidden size", hidden), ("intermediate size per rank", inter)):
+        if size % PACK or (group_size != -1 and size % group_size):
+            raise ValueError(
+                f"{label} checkpoint: MoE {what} {size} is not a multiple of {PACK} and of the "
+                f"group size {group_size}; lower the tensor parallel size."
+            )

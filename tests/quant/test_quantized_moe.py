@@ -1,0 +1,196 @@
+"""AWQ, GPTQ (with and without act-order) and compressed-tensors WNA16 mixture-of-experts layers,
+in CPU emulation: each expert's checkpoint tensors, made by the test packers, are loaded through
+vLLM's own MoE layer (`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert loader,
+repacked once, and the quantized layer must compute what a plain torch MoE computes on the
+dequantized weights (softmax top-2 routing, renormalized; SiLU-gated experts). Runs in a fresh
+process (vLLM's parallel state is process-wide); no engine.
+
+Tolerance: the kernel reproduces the dequantized weights exactly in float32 (see
+test_uint4_kernel.py) and routing reads the same logits, so only the order of float32
+accumulation differs: atol 1e-4, rtol 1e-4 on outputs up to ~3 (about 2e-6 measured).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+LAYERS_JOB = r"""
+import json, socket, sys
+import torch
+import torch.nn.functional as F
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+sys.path.insert(0, __ROOT__)
+from tests.quant import packers as P
+from vllm_gaudi_quant.methods.awq import HpuAwqConfig
+from vllm_gaudi_quant.methods.compressed_tensors import HpuCompressedTensorsConfig
+from vllm_gaudi_quant.methods.gptq import HpuGptqConfig
+
+EXPERTS, TOPK, HIDDEN, INTER = 4, 2, 128, 192
+BUILT = []  # vLLM registers each MoE layer by name: one layer index per layer built
+
+def int4(group, pack, **qargs):
+    def make(w, seed):
+        qt = P.quantize(w, group, seed=seed, **qargs)
+        return pack(qt), P.dequantize(qt)
+    return make
+
+CASES = {
+    "awq": (HpuAwqConfig, P.awq_config(32), int4(32, P.pack_awq, sym=False)),
+    "gptq-asym": (HpuGptqConfig, P.gptq_config(64, sym=False, desc_act=False),
+                  int4(64, P.pack_gptq, sym=False, zero_range=(1, 15))),
+    "gptq-act-order": (HpuGptqConfig, P.gptq_config(32, sym=True, desc_act=True),
+                       int4(32, P.pack_gptq, sym=True, act_order=True)),
+    "ct-wna16-sym": (HpuCompressedTensorsConfig, P.ct_wna16_config(32, sym=True),
+                     int4(32, lambda qt: P.pack_ct_wna16(qt, sym=True), sym=True)),
+    "ct-wna16-asym": (HpuCompressedTensorsConfig, P.ct_wna16_config(64, sym=False),
+                      int4(64, lambda qt: P.pack_ct_wna16(qt, sym=False), sym=False)),
+    "ct-wna16-channel": (HpuCompressedTensorsConfig, P.ct_wna16_config(None, sym=True),
+                         lambda w, seed: int4(w.shape[1], lambda qt: P.pack_ct_wna16(qt, sym=True),
+                                              sym=True)(w, seed)),
+}
+
+def float_weight(n, k, seed):
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+
+def build(cfg):
+    BUILT.append(cfg)
+    prefix = f"model.layers.{len(BUILT)}.block_sparse_moe.experts"
+    return FusedMoEFactory(num_experts=EXPERTS, top_k=TOPK, hidden_size=HIDDEN,
+                           intermediate_size=INTER, params_dtype=torch.float32,
+                           renormalize=True, quant_config=cfg, prefix=prefix,
+                           ckpt_names=("w1", "w2", "w3")).routed_experts
+
+def load(layer, make, w3_seed_offset=0):
+    # Gate (w1) and up (w3) read the same input: one activation order (seed) for both, as real
+    # GPTQ checkpoints have, unless w3_seed_offset says otherwise.
+    tensors, deq = [], {}
+    for e in range(EXPERTS):
+        for proj, (n, k) in (("w1", (INTER, HIDDEN)), ("w3", (INTER, HIDDEN)),
+                             ("w2", (HIDDEN, INTER))):
+            seed = 10 * e + (1 if proj == "w2" else 0) + (w3_seed_offset if proj == "w3" else 0)
+            packed, dq = make(float_weight(n, k, 100 * e + len(proj) + ord(proj[1])), seed)
+            deq[e, proj] = dq
+            tensors += [(f"{e}.{proj}.{key}", value) for key, value in packed.items()]
+    loaded = set(layer.load_weights(tensors))
+    return deq, loaded
+
+def reference(x, logits, deq):
+    weights, ids = logits.softmax(-1).topk(TOPK, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t].tolist()):
+            h = F.silu(x[t] @ deq[e, "w1"].t()) * (x[t] @ deq[e, "w3"].t())
+            out[t] += w * (h @ deq[e, "w2"].t())
+    return out
+
+def run(name):
+    cls, hf_cfg, make = CASES[name]
+    layer = build(cls.from_config(hf_cfg))
+    method = layer.quant_method
+    deq, loaded = load(layer, make)
+    created = {n for n, _ in layer.named_parameters()}
+    method.process_weights_after_loading(layer)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, HIDDEN, generator=gen)
+    logits = torch.randn(9, EXPERTS, generator=gen)
+    with torch.no_grad():
+        got = method.apply_monolithic(layer, x, logits)
+        want = reference(x, logits, deq)
+    return {
+        "method": type(method).__name__,
+        "unloaded": sorted(created - loaded),
+        "params": {n: [str(p.dtype), list(p.shape)] for n, p in layer.named_parameters()},
+        "max_err": float((got - want).abs().max()),
+        "scale": float(want.abs().max()),
+        "close": bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4)),
+    }
+
+def error_of(fn):
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+def mismatched_act_order():
+    cls, hf_cfg, make = CASES["gptq-act-order"]
+    layer = build(cls.from_config(hf_cfg))
+    load(layer, make, w3_seed_offset=1)
+    layer.quant_method.process_weights_after_loading(layer)
+
+def fp8_experts():
+    build(HpuCompressedTensorsConfig.from_config(P.ct_fp8_config(per_channel=True, dynamic=True)))
+
+with set_current_vllm_config(VllmConfig()):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
+    initialize_model_parallel(1, 1)
+    result = {name: run(name) for name in CASES}
+    result["errors"] = {
+        "gptq-act-order-mismatch": error_of(mismatched_act_order),
+        "ct-fp8-experts": error_of(fp8_experts),
+    }
+    print("RESULT " + json.dumps(result))
+"""
+
+CASES = ("awq", "gptq-asym", "gptq-act-order", "ct-wna16-sym", "ct-wna16-asym", "ct-wna16-channel")
+METHODS = {"awq": "HpuAwqMoEMethod", "gptq": "HpuGptqMoEMethod", "ct-wna16": "HpuWNA16MoE"}
+
+
+@pytest.fixture(scope="module")
+def moe_result(run_python):
+    root = repr(str(Path(__file__).resolve().parents[2]))
+    proc = run_python(
+        LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    pytest.fail(f"MoE layer job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vllm_moe_layer_runs_the_hpu_4bit_moe_method(moe_result, case):
+    expected = next(cls for prefix, cls in METHODS.items() if case.startswith(prefix))
+    assert moe_result[case]["method"] == expected
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_expert_tensor_of_the_checkpoint_is_loaded(moe_result, case):
+    assert moe_result[case]["unloaded"] == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_experts_are_repacked_into_the_uint4_kernel_layout(moe_result, case):
+    params = moe_result[case]["params"]
+    hidden, inter, experts = 128, 192, 4
+    assert params["w13_qweight"] == ["torch.int32", [experts, hidden, 2 * inter // 8]]
+    assert params["w2_qweight"] == ["torch.int32", [experts, inter, hidden // 8]]
+    assert params["w13_scales"][1][2] == 2 * inter and params["w2_scales"][1][2] == hidden
+    assert not any("packed" in name or "g_idx" in name for name in params)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_4bit_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
+    r = moe_result[case]
+    assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
+
+
+def test_act_order_experts_whose_gate_and_up_disagree_are_refused_by_name(moe_result):
+    error = moe_result["errors"]["gptq-act-order-mismatch"]
+    assert error is not None and "g_idx" in error and "block_sparse_moe.experts" in error
+
+
+def test_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused_naming_what_runs(moe_result):
+    error = moe_result["errors"]["ct-fp8-experts"]
+    assert error is not None and "4-bit WNA16" in error and "block_sparse_moe.experts" in error
