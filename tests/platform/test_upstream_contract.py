@@ -177,6 +177,39 @@ UPSTREAM: tuple[Upstream, ...] = (
         f"{ROTARY}.fope:FourierRotaryEmbedding._compute_cos_sin_cache",
         "vllm_gaudi_ops rotary family",
     ),
+    # --- quant wheel: 4-bit MoE (methods/uint4.py, gptq.py, compressed_tensors.py) -------------
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.weight_loader",
+        "vllm_gaudi_quant 4-bit MoE: expert params flagged is_transposed/quant_method; the GPTQ "
+        "g_idx loader takes the same arguments by name",
+        params=("param", "loaded_weight", "weight_name", "shard_id", "expert_id", "return_success"),
+        mentions=("is_transposed", "quant_method"),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts:"
+        "RoutedExperts._map_global_expert_id_to_local_expert_id",
+        "vllm_gaudi_quant GPTQ MoE g_idx loader",
+        params=("expert_id",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsConfig._add_fused_moe_to_target_scheme_map",
+        "vllm_gaudi_quant compressed-tensors MoE: the Linear target also matches the experts",
+    ),
+    # --- connectors wheel (nixl.py: HpuNixlConnector) -------------------------------------------
+    Upstream(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
+        "NixlBaseConnectorScheduler.__init__",
+        "HpuNixlConnector checks the handshake port vLLM binds: side-channel host, port + DP index",
+        mentions=("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "data_parallel_index"),
+    ),
+    Upstream(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
+        "NixlBaseConnectorScheduler._nixl_handshake_listener",
+        "HpuNixlConnector's port check mirrors this bind (ZeroMQ ROUTER on host:port)",
+        params=("encoded_data", "ready_event", "stop_event", "host", "port"),
+        mentions=("ROUTER",),
+    ),
 )
 
 
