@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,36 @@ MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 64 << 20
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free TCP port on 127.0.0.1 outside the kernel's ephemeral range.
+
+    A server binds its port long after the test picked it: the NIXL side channel only after the
+    engine has loaded the model and registered its KV cache, a minute later on a loaded machine.
+    A port from bind(0) is an ephemeral one, so in that minute any other socket on the machine
+    (UCX's listeners, torch's TCP store, vLLM's own bind(0), other tests) may be given it and
+    the late bind fails with "Address already in use". The kernel never hands out a port below
+    the ephemeral range by itself, so one picked there stays free until its server binds it.
+    """
+    low, _ = _ephemeral_range()
+    first = max(1024, low - 12000)
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(first, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port between {first} and {low}")
 
 
 @dataclass
@@ -62,7 +89,15 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("VLLM_") and k not in ("http_proxy", "https_proxy", "HTTP_PROXY")
     }
-    env.update({"VLLM_HPU_EMULATION": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "NO_PROXY": "*"})
+    # No warmup: in CPU emulation there are no graphs to compile, it would only cost start time.
+    env.update(
+        {
+            "VLLM_HPU_EMULATION": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_SKIP_WARMUP": "true",
+            "NO_PROXY": "*",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -85,6 +120,7 @@ def start_vllm(
     kv_config: str | None = None,
     env: dict[str, str] | None = None,
     prefix_caching: bool = True,
+    dtype: str = "bfloat16",
     extra_args: list[str] | None = None,
 ) -> Server:
     port = free_port()
@@ -101,7 +137,7 @@ def start_vllm(
         "--port",
         str(port),
         "--dtype",
-        "bfloat16",
+        dtype,
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--max-num-seqs",
@@ -161,8 +197,22 @@ def start_proxy(prefill: list[str], decode: list[str], log_dir: Path, timeout: f
     return Server("proxy", proc, f"http://127.0.0.1:{port}", log)
 
 
+# A server that logs one of these never becomes ready: vLLM's engine waits forever for its NIXL
+# handshake listener thread, which died (e.g. its side-channel port was taken).
+FATAL_LOG_LINES = ("Exception in thread nixl_handshake_listener",)
+
+
+def _fatal_line(server: Server) -> str | None:
+    try:
+        text = server.log.read_text(errors="replace")
+    except OSError:
+        return None
+    return next((line for line in FATAL_LOG_LINES if line in text), None)
+
+
 def wait_ready(*servers: Server, path: str = "/health") -> None:
-    """Wait until every server answers `path`; raise with its log tail if one dies."""
+    """Wait until every server answers `path`; raise with its log tail if one dies or logs a
+    failure it cannot recover from."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     pending = list(servers)
     with httpx.Client(trust_env=False, timeout=5) as client:
@@ -170,6 +220,8 @@ def wait_ready(*servers: Server, path: str = "/health") -> None:
             for server in list(pending):
                 if server.proc.poll() is not None:
                     raise RuntimeError(f"{server.name} exited:\n{server.log_tail()}")
+                if (line := _fatal_line(server)) is not None:
+                    raise RuntimeError(f"{server.name} logged {line!r}:\n{server.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(server.url + path).status_code == 200:
                         pending.remove(server)

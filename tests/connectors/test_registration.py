@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from vllm_gaudi_connectors.nixl import check_kv_buffer_device
+from vllm_gaudi_connectors.nixl import check_kv_buffer_device, check_side_channel_port
 
 REGISTER_TWICE = """
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -60,3 +62,20 @@ def test_a_transfer_buffer_that_cannot_work_is_refused_naming_the_fix(device, em
     with pytest.raises(ValueError, match="kv_buffer_device") as err:
         check_kv_buffer_device(device, emulated=emulated, device_to_device=d2d)
     assert names in str(err.value)
+
+
+def test_a_taken_side_channel_port_is_refused_naming_the_variable():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"localhost:{port}") as err:
+            check_side_channel_port("localhost", port)
+    assert "set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port" in str(err.value)
+
+
+def test_a_free_side_channel_port_is_accepted():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    check_side_channel_port("localhost", port)

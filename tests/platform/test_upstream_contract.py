@@ -201,7 +201,11 @@ UPSTREAM: tuple[Upstream, ...] = (
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
         "NixlBaseConnectorScheduler.__init__",
         "HpuNixlConnector checks the handshake port vLLM binds: side-channel host, port + DP index",
-        mentions=("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "data_parallel_index"),
+        mentions=(
+            "VLLM_NIXL_SIDE_CHANNEL_HOST",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT",
+            "data_parallel_index",
+        ),
     ),
     Upstream(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"

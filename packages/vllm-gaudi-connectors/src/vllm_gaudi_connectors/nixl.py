@@ -10,15 +10,21 @@ overrides only what differs on HPU:
   work), instead of vLLM dropping the request with a warning;
 - the transfer buffer: host staging (`kv_buffer_device: "cpu"`) by default; Gaudi device memory
   (`"hpu"`) only with VLLM_NIXL_DEVICE_TO_DEVICE=true on a real Gaudi. A combination that cannot
-  work is refused at start with the setting to change.
+  work is refused at start with the setting to change;
+- the handshake side channel: vLLM binds VLLM_NIXL_SIDE_CHANNEL_PORT (+ the data-parallel
+  index) in a listener thread of the engine process; when the port is taken that thread dies and
+  the engine waits for it forever. The scheduler side checks the port first and refuses to start,
+  naming the variable.
 
 Start instances with `--kv-transfer-config '{"kv_connector": "HpuNixlConnector", ...}'`.
 """
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 from vllm.logger import init_logger
 
@@ -60,6 +66,22 @@ def check_kv_buffer_device(kv_buffer_device: str, emulated: bool, device_to_devi
         )
 
 
+def check_side_channel_port(host: str, port: int) -> None:
+    """Refuse a side-channel port that another socket holds (vLLM would hang on it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As ZeroMQ's listener does: a port whose last connection is in TIME_WAIT is free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise ValueError(
+                f"{CONNECTOR_NAME}: the NIXL handshake port {host}:{port} cannot be bound "
+                f"({exc.strerror}); set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port (each instance "
+                "on a host needs its own, and a data-parallel rank uses the port plus its index)."
+            ) from exc
+
+
 class HpuNixlConnector(NixlConnector):
     """vLLM's NIXL connector with the HPU KV-cache layout and transfer-buffer checks."""
 
@@ -73,6 +95,15 @@ class HpuNixlConnector(NixlConnector):
             emulated=bool(getattr(current_platform, "is_emulated", lambda: False)()),
             device_to_device=envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE),
         )
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler side is created just before vLLM binds the port (see above).
+            from vllm import envs as vllm_envs
+
+            check_side_channel_port(
+                vllm_envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+                vllm_envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+                + vllm_config.parallel_config.data_parallel_index,
+            )
         super().__init__(vllm_config, role, kv_cache_config)
 
     @classmethod
