@@ -1,29 +1,40 @@
 """Bucketing strategies side by side on a synthetic serving trace.
 
-For each strategy (exp, lin, pad) and a few engine configurations it prints the number of warmup
-graphs (prompt + decode buckets), the padding waste (padded / real, minus one: prompt tokens,
-decode batch slots, decode KV blocks) and the share of steps that fit no bucket (each would be a
-graph compilation while serving).
+For each strategy and a few engine configurations (up to a long-context one: max_model_len
+131072, max_num_seqs 128) it prints the number of warmup graphs (prompt + decode buckets), the
+padding waste (padded / real, minus one: prompt tokens, prompt context blocks, decode batch slots,
+decode KV blocks), the share of steps that fit no bucket (each would be a graph compilation while
+serving) and the time to build the plan.
+
+Strategies: exp, lin, pad (generated from the engine limits) and fitted, twice: ``fitted`` is fitted
+to the very trace it is measured on (the step shapes a VLLM_BUCKETING_RECORD_TRACE recording of
+this load gives), ``fitted/ho`` to a trace of the same load with another seed (held out: how the
+buckets do on steps they were not fitted to). Both within the default budget: exp's graph count.
 
 The trace is seeded and simulates a simple Gaudi-style scheduler: requests arrive at random
 (Poisson), prompt and output lengths are log-normal, some prompts hit a cached prefix, prefills
 run in their own steps (up to VLLM_PROMPT_BS_BUCKET_MAX sequences, chunked to share the token
 budget) and every running sequence decodes one token per decode step.
 
-    python benchmarks/bucketing.py [--requests N] [--seed S]
+    python benchmarks/bucketing.py [--requests N] [--long-requests N] [--seed S]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
+import os
 import random
-from collections import deque
+import tempfile
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
-from vllm_gaudi_platform.bucketing import plan_from_env
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env
+from vllm_gaudi_platform.step_trace import TracedShape, format_line
 
-STRATEGIES = ("exp", "lin", "pad")
+STRATEGIES = ("exp", "lin", "pad", "fitted", "fitted/ho")
 
 
 @dataclass(frozen=True)
@@ -35,12 +46,14 @@ class Engine:
     block_size: int
     num_kv_blocks: int | None
     prefill_batch: int  # VLLM_PROMPT_BS_BUCKET_MAX
+    long: bool = False  # trace length from --long-requests
 
 
 ENGINES = (
     Engine("tiny", 16, 2048, 512, 128, None, 1),
     Engine("tiny-64", 64, 2048, 512, 128, None, 1),
     Engine("medium", 64, 4096, 4096, 128, 2048, 4),
+    Engine("long", 128, 8192, 131072, 128, None, 4, long=True),
 )
 
 
@@ -113,31 +126,98 @@ def synthetic_trace(engine: Engine, seed: int, count: int) -> list[Step]:
     return steps
 
 
-def measure(engine: Engine, strategy: str, steps: list[Step]) -> dict[str, float]:
-    plan = plan_from_env(
-        max_num_seqs=engine.max_num_seqs,
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_model_len=engine.max_model_len,
-        block_size=engine.block_size,
-        num_kv_blocks=engine.num_kv_blocks,
-        environ={
-            "VLLM_BUCKETING_STRATEGY": strategy,
-            "VLLM_PROMPT_BS_BUCKET_MAX": str(engine.prefill_batch),
-        },
-    )
-    real = {"prompt": 0, "bs": 0, "blocks": 0}
-    padded = {"prompt": 0, "bs": 0, "blocks": 0}
+def write_trace(steps: list[Step], path: str) -> None:
+    """The trace file VLLM_BUCKETING_RECORD_TRACE would have written for these steps."""
+    counts = Counter(TracedShape(s.phase, s.batch_size, s.query_len, s.ctx_blocks) for s in steps)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(format_line(shape, n) for shape, n in counts.items())
+
+
+class Finder:
+    """The plan's own lookups; for plans too large to scan per step (lin at long context), the
+    same answer through the grid: there the fitting bucket with the least padding is the one that
+    rounds each dimension up (the plan's lookup ranks by a cost monotone in every dimension)."""
+
+    SCAN_LIMIT = 5000
+
+    def __init__(self, plan: BucketPlan) -> None:
+        self.plan = plan
+        self.grid = len(plan.prompt) + len(plan.decode) > self.SCAN_LIMIT
+        if self.grid:
+            self.p_bs = sorted({b.batch_size for b in plan.prompt})
+            self.p_q = sorted({b.query_len for b in plan.prompt})
+            self.p_ctx: dict[tuple[int, int], list[int]] = {}
+            for b in plan.prompt:
+                self.p_ctx.setdefault((b.batch_size, b.query_len), []).append(b.ctx_blocks)
+            self.d_bs = sorted({b.batch_size for b in plan.decode})
+            self.d_blocks: dict[int, list[int]] = {}
+            for b in plan.decode:
+                self.d_blocks.setdefault(b.batch_size, []).append(b.ctx_blocks)
+            for values in (*self.p_ctx.values(), *self.d_blocks.values()):
+                values.sort()
+
+    @staticmethod
+    def _up(values: list[int], x: int) -> int | None:
+        i = bisect.bisect_left(values, x)
+        return values[i] if i < len(values) else None
+
+    def prompt(self, batch: int, query: int, ctx: int) -> Bucket | None:
+        if not self.grid:
+            return self.plan.find_prompt(batch, query, ctx)
+        b, q = self._up(self.p_bs, batch), self._up(self.p_q, query)
+        c = self._up(self.p_ctx.get((b, q), []), ctx) if b and q else None
+        if c is None:  # the round-up bucket is over the token budget: none fits
+            return self.plan.find_prompt(batch, query, ctx)
+        return Bucket("prompt", b, q, c)  # type: ignore[arg-type]
+
+    def decode(self, batch: int, blocks: int) -> Bucket | None:
+        if not self.grid:
+            return self.plan.find_decode(batch, blocks)
+        b = self._up(self.d_bs, batch)
+        c = self._up(self.d_blocks.get(b, []), blocks) if b else None
+        if c is None:
+            return self.plan.find_decode(batch, blocks)
+        return Bucket("decode", b, 1, c)  # type: ignore[arg-type]
+
+
+def measure(
+    engine: Engine, strategy: str, steps: list[Step], held_out: list[Step]
+) -> dict[str, float]:
+    environ = {
+        "VLLM_BUCKETING_STRATEGY": strategy.split("/")[0],
+        "VLLM_PROMPT_BS_BUCKET_MAX": str(engine.prefill_batch),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        if strategy.startswith("fitted"):
+            path = os.path.join(tmp, "trace.txt")
+            write_trace(held_out if strategy == "fitted/ho" else steps, path)
+            environ["VLLM_BUCKETING_TRACE"] = path
+        start = time.perf_counter()
+        plan = plan_from_env(
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=engine.max_model_len,
+            block_size=engine.block_size,
+            num_kv_blocks=engine.num_kv_blocks,
+            environ=environ,
+        )
+        plan_seconds = time.perf_counter() - start
+    find = Finder(plan)
+    real = {"prompt": 0, "ctx": 0, "bs": 0, "blocks": 0}
+    padded = {"prompt": 0, "ctx": 0, "bs": 0, "blocks": 0}
     outside = {"prompt": 0, "decode": 0}
     for s in steps:
         if s.phase == "prompt":
-            bucket = plan.find_prompt(s.batch_size, s.query_len, s.ctx_blocks)
+            bucket = find.prompt(s.batch_size, s.query_len, s.ctx_blocks)
             if bucket is None:
                 outside["prompt"] += 1
                 continue
             real["prompt"] += s.real_tokens
             padded["prompt"] += bucket.batch_size * bucket.query_len
+            real["ctx"] += s.batch_size * s.ctx_blocks
+            padded["ctx"] += bucket.batch_size * bucket.ctx_blocks
         else:
-            bucket = plan.find_decode(s.batch_size, s.ctx_blocks)
+            bucket = find.decode(s.batch_size, s.ctx_blocks)
             if bucket is None:
                 outside["decode"] += 1
                 continue
@@ -153,31 +233,39 @@ def measure(engine: Engine, strategy: str, steps: list[Step]) -> dict[str, float
         "outside": sum(outside.values()) / len(steps),
         "outside_prompt": outside["prompt"],
         "outside_decode": outside["decode"],
+        "plan_seconds": plan_seconds,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000, help="requests per engine trace")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--long-requests", type=int, default=200, help="requests of the long-context trace"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the measured trace")
     args = parser.parse_args()
 
     header = (
-        f"{'engine':<8} {'strategy':<8} {'graphs (P+D)':>13} {'prompt tok pad':>15} "
-        f"{'decode bs pad':>14} {'decode blk pad':>15} {'outside (P/D steps)':>20}"
+        f"{'engine':<8} {'strategy':<9} {'graphs (P+D)':>16} {'prompt tok pad':>15} "
+        f"{'prompt ctx pad':>15} {'decode bs pad':>14} {'decode blk pad':>15} "
+        f"{'outside (P/D steps)':>20} {'plan s':>7}"
     )
     print(header)
     print("-" * len(header))
     for engine in ENGINES:
-        steps = synthetic_trace(engine, args.seed, args.requests)
+        count = args.long_requests if engine.long else args.requests
+        steps = synthetic_trace(engine, args.seed, count)
+        held_out = synthetic_trace(engine, args.seed + 1, count)
         for strategy in STRATEGIES:
-            m = measure(engine, strategy, steps)
+            m = measure(engine, strategy, steps, held_out)
             p, d = m["prompt_graphs"], m["decode_graphs"]
             graphs = f"{p + d} ({p}+{d})"
             outside = f"{m['outside']:.2%} ({m['outside_prompt']}/{m['outside_decode']})"
             print(
-                f"{engine.name:<8} {strategy:<8} {graphs:>13} {m['waste_prompt']:>+15.1%} "
-                f"{m['waste_bs']:>+14.1%} {m['waste_blocks']:>+15.1%} {outside:>20}"
+                f"{engine.name:<8} {strategy:<9} {graphs:>16} {m['waste_prompt']:>+15.1%} "
+                f"{m['waste_ctx']:>+15.1%} {m['waste_bs']:>+14.1%} {m['waste_blocks']:>+15.1%} "
+                f"{outside:>20} {m['plan_seconds']:>7.3f}"
             )
         prompts = sum(s.phase == "prompt" for s in steps)
         print(
@@ -189,9 +277,12 @@ def main() -> None:
             f"({prompts} prompt)"
         )
     print(
-        "pad = padded / real - 1 over the steps that fit a bucket; outside = steps that fit no\n"
-        "bucket (a multi-sequence prefill whose padded batch_size * query_len exceeds the token\n"
-        "budget fits none: the runner must split it)"
+        "pad = padded / real - 1 over the steps that fit a bucket (prompt ctx: batch * context\n"
+        "blocks of the bucket vs of the step); outside = steps that fit no bucket (a\n"
+        "multi-sequence prefill whose padded batch_size * query_len exceeds the token budget\n"
+        "fits none: the runner must split it); plan s = seconds to build the plan (fitted:\n"
+        "reading the trace file and fitting). fitted: fitted to the measured trace; fitted/ho:\n"
+        "to a trace of the same load with seed + 1."
     )
 
 

@@ -34,6 +34,27 @@ Choosing the buckets
     ``(min, step, max, pad_max, pad_percent) = (0, 8, 64, 16, 50)`` gives
     ``0, 1, 2, 4, 8, 16, 32, 48, 64``.
 
+``fitted`` (ours, not Intel's)
+    The buckets fitted to a trace of real step shapes (``VLLM_BUCKETING_TRACE``, a file the
+    runner writes under ``VLLM_BUCKETING_RECORD_TRACE``; format in ``step_trace.py``), at most
+    ``VLLM_BUCKETING_GRAPH_BUDGET`` of them (default: as many as ``exp`` warms up). Coverage
+    first: for each prefill batch size up to ``VLLM_PROMPT_BS_BUCKET_MAX`` the largest prompt
+    bucket within the token budget (batch size 1 with ``PACKED_CONTEXT_FACTOR`` times the context,
+    for packed prefills), and the largest decode bucket, so every legal step has a bucket, traced
+    or not. Then, among candidate buckets (the traced shapes, rounded up to ``FIT_BITS``
+    significant bits per dimension; per batch size the bucket holding all shapes of that batch
+    size or less; every combination of traced coordinates when a phase has few), a lazy greedy
+    adds the one that lowers the traced padding most until the budget is spent, single swaps
+    improve the choice while ``FIT_SWAP_WORK`` allows, and each bucket is lowered to the largest
+    traced shape it serves. Padding is priced so that the fit minimises the sum of three ratios
+    over the trace: padded / traced prompt work (a query token 1, a context token
+    ``FIT_CONTEXT_TOKEN_COST``), decode batch slots and decode blocks. The plan keeps these prices
+    (``BucketPlan.prices``) and its lookups return the cheapest bucket that fits by them. The
+    ``VLLM_*_BUCKET_{MIN,STEP,MAX}`` ranges are ignored, except ``VLLM_PROMPT_BS_BUCKET_MAX``.
+    Traced shapes no step within the engine limits can have are dropped with a warning. A
+    missing or malformed trace, a missing ``VLLM_BUCKETING_TRACE`` or a budget below the coverage
+    buckets raise ``EnvError`` naming the variable.
+
 Variables ``VLLM_{PHASE}_{DIM}_BUCKET_{PARAM}``: PHASE/DIM is PROMPT with BS, QUERY or CTX, or
 DECODE with BS or BLOCK; PARAM is MIN, STEP or MAX (``lin`` and ``pad``), PAD_MAX or PAD_PERCENT
 (``pad`` only). Defaults, from the engine limits (``K = ceil(max_model_len / block_size)``):
@@ -102,11 +123,13 @@ naming the variable and the fix. Pure Python: no torch, no vllm.
 from __future__ import annotations
 
 import ast
+import bisect
 import difflib
+import heapq
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import product
 
@@ -118,16 +141,23 @@ from vllm_gaudi_platform.envs import (
     BUCKET_VARIABLES,
     LEGACY_QUERY_VARIABLES,
     VLLM_BUCKETING_FROM_FILE,
+    VLLM_BUCKETING_GRAPH_BUDGET,
     VLLM_BUCKETING_STRATEGY,
+    VLLM_BUCKETING_TRACE,
     VLLM_EXPONENTIAL_BUCKETING,
     EnvError,
 )
+from vllm_gaudi_platform.step_trace import TracedShape, read_trace
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
-STRATEGIES = ("exp", "lin", "pad")
+STRATEGIES = ("exp", "lin", "pad", "fitted")
 DEFAULT_STRATEGY = "exp"
 FILE_STRATEGY = "file"
+FITTED_STRATEGY = "fitted"
+# A packed prefill row holds the context of all its requests; generated plans cover rows with up
+# to this many times one sequence's largest context (step_layout.with_packed_context).
+PACKED_CONTEXT_FACTOR = 4
 
 DEFAULT_PAD_PERCENT = 25
 MAX_PAD_PERCENT = 50
@@ -178,14 +208,30 @@ def _decode_cost(b: Bucket) -> tuple[int, ...]:
 class BucketPlan:
     """The buckets to warm up, and the lookup the runner pads each step with."""
 
-    strategy: str  # "exp", "lin", "pad" or "file"
+    strategy: str  # "exp", "lin", "pad", "fitted" or "file"
     prompt: tuple[Bucket, ...]
     decode: tuple[Bucket, ...]
+    # Padding prices a lookup ranks the fitting buckets by, set by the fitted strategy: per
+    # padded prompt token, per prompt context block (per row), per decode batch slot, per decode
+    # block. None: padded tokens first, then context (prompt); batch first (decode). In a full
+    # grid both pick the same bucket; a fitted set is no grid, so it needs a price per dimension.
+    prices: tuple[float, float, float, float] | None = None
 
     def __post_init__(self) -> None:
         # Kept cheapest first so that a lookup is the first bucket that fits.
-        object.__setattr__(self, "prompt", tuple(sorted(set(self.prompt), key=_prompt_cost)))
-        object.__setattr__(self, "decode", tuple(sorted(set(self.decode), key=_decode_cost)))
+        prompt_key: Callable[[Bucket], tuple[float, ...]] = _prompt_cost
+        decode_key: Callable[[Bucket], tuple[float, ...]] = _decode_cost
+        if self.prices is not None:
+            token, ctx, slot, block = self.prices
+
+            def prompt_key(b: Bucket) -> tuple[float, ...]:
+                return (b.batch_size * (b.query_len * token + b.ctx_blocks * ctx), *_prompt_cost(b))
+
+            def decode_key(b: Bucket) -> tuple[float, ...]:
+                return (b.batch_size * slot + b.ctx_blocks * block, *_decode_cost(b))
+
+        object.__setattr__(self, "prompt", tuple(sorted(set(self.prompt), key=prompt_key)))
+        object.__setattr__(self, "decode", tuple(sorted(set(self.decode), key=decode_key)))
 
     def find_prompt(self, batch_size: int, query_len: int, ctx_blocks: int) -> Bucket | None:
         """The smallest prompt bucket that holds the step in all three dimensions, or None."""
@@ -423,6 +469,7 @@ class _Env:
         for dim in _DIMS:
             for param in PARAMS:
                 self.param(dim, param)
+        self.integer(VLLM_BUCKETING_GRAPH_BUDGET, 1)
 
     def warn_unknown(self) -> None:
         known = set(BUCKET_VARIABLES) | set(LEGACY_QUERY_VARIABLES)
@@ -443,7 +490,8 @@ def _read_strategy(env: _Env) -> str:
     if strategy not in STRATEGIES:
         raise EnvError(
             f"{VLLM_BUCKETING_STRATEGY}={raw!r} is not a bucketing strategy; set it to exp "
-            "(exponential, the default), lin (linear) or pad (padding-aware), or unset it."
+            "(exponential, the default), lin (linear), pad (padding-aware) or fitted (fitted to "
+            f"the trace in {VLLM_BUCKETING_TRACE}), or unset it."
         )
     legacy = env.raw(VLLM_EXPONENTIAL_BUCKETING)
     if legacy is not None:
@@ -495,7 +543,8 @@ def _ranges(strategy: str, env: _Env, lim: _Limits) -> dict[_Dim, list[int]]:
     bs = lim.block_size
     found_bs_max = env.param(_PROMPT_BS, "MAX")
     prefill_bs = found_bs_max[1] if found_bs_max else 1
-    if strategy == "exp":
+    if strategy in ("exp", FITTED_STRATEGY):
+        # fitted: the exponential ranges give its default graph budget.
         ignored = [
             dim.var(p)
             for dim in _DIMS
@@ -508,9 +557,10 @@ def _ranges(strategy: str, env: _Env, lim: _Limits) -> dict[_Dim, list[int]]:
             ignored.append(query_min_found[0])
         if ignored:
             logger.warning(
-                "%s=exp derives its ranges from the engine limits and ignores %s; "
-                "set %s=lin or pad to use them.",
+                "%s=%s derives its buckets from %s and ignores %s; set %s=lin or pad to use them.",
                 VLLM_BUCKETING_STRATEGY,
+                strategy,
+                "the engine limits" if strategy == "exp" else VLLM_BUCKETING_TRACE,
                 ", ".join(ignored),
                 VLLM_BUCKETING_STRATEGY,
             )
@@ -589,6 +639,395 @@ def _decode_grid(bs: list[int], blocks: list[int], lim: _Limits) -> list[Bucket]
         if b_lo <= lim.max_num_seqs and (bucket := _decode_bucket(b, c, lim)):
             buckets.append(bucket)
     return buckets
+
+
+# ---------------------------------------------------------------------------- fitted strategy
+
+# The fit chooses among traced shapes rounded up to FIT_BITS significant bits per dimension (at
+# most 1/64 relative padding at 7 bits), fewer bits while a phase has more than FIT_MAX_CELLS
+# distinct rounded shapes, so that planning stays around a second; each chosen bucket is then
+# lowered to the exact largest shape it serves.
+FIT_BITS = 7
+FIT_MIN_BITS = 2
+FIT_MAX_CELLS = 1000
+# Cell evaluations the swap refinement after the greedy choice may spend (about a second): small
+# traces reach a swap-optimal choice, large ones keep most of the greedy one.
+FIT_SWAP_WORK = 300_000
+# A phase whose traced coordinates combine into at most this many buckets chooses among all the
+# combinations (an optimal bucket is the largest of the shapes it serves, so its coordinates are
+# traced ones); a larger one among the traced shapes and per-batch-size corners.
+FIT_GRID_CANDIDATES = 3000
+# What a padded context token of a prefill row costs, in padded query tokens: a query token goes
+# through every layer's weights, a context token is only read by attention (for a 7B-class model
+# and prompts of one to two thousand tokens, 3-6% of the work; the price errs on the high side).
+FIT_CONTEXT_TOKEN_COST = 1 / 16
+
+
+def _round_bits(value: int, bits: int) -> int:
+    """``value`` rounded up to a number with at most ``bits`` significant bits."""
+    shift = value.bit_length() - bits
+    return value if shift <= 0 else -(-value >> shift) << shift
+
+
+@dataclass
+class _Cell:
+    """Traced shapes that round to the same coordinates."""
+
+    bucket: Bucket  # the rounded coordinates, a candidate bucket
+    top: tuple[int, int, int]  # exact largest (batch, query_len, ctx_blocks) among its shapes
+    count: int  # steps
+
+
+def _fit_prices(
+    shapes: Mapping[TracedShape, int], block_size: int
+) -> tuple[float, float, float, float]:
+    """Per-unit padding prices that make the fit minimise the sum of three padding ratios over
+    the trace: padded prompt work / traced prompt work (a query token 1, a context block
+    ``block_size * FIT_CONTEXT_TOKEN_COST``), padded decode slots / traced sequences, padded
+    decode blocks / traced blocks."""
+    ctx_block = block_size * FIT_CONTEXT_TOKEN_COST
+    work = slots = blocks = 0.0
+    for s, n in shapes.items():
+        if s.phase == "prompt":
+            work += n * s.batch_size * (s.query_len + s.ctx_blocks * ctx_block)
+        else:
+            slots += n * s.batch_size
+            blocks += n * s.ctx_blocks
+    token = 1 / work if work else 1.0
+    return (token, token * ctx_block, 1 / slots if slots else 1.0, 1 / blocks if blocks else 1.0)
+
+
+def _price(b: Bucket, prices: tuple[float, ...]) -> float:
+    if b.phase == "prompt":
+        return b.batch_size * (b.query_len * prices[0] + b.ctx_blocks * prices[1])
+    return b.batch_size * prices[2] + b.ctx_blocks * prices[3]
+
+
+def _covers(b: Bucket, c: Bucket) -> bool:
+    return (
+        b.phase == c.phase
+        and b.batch_size >= c.batch_size
+        and b.query_len >= c.query_len
+        and b.ctx_blocks >= c.ctx_blocks
+    )
+
+
+def fit_buckets(
+    trace: Mapping[TracedShape, int],
+    *,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_kv_blocks: int | None = None,
+    budget: int,
+    max_prefill_batch: int = 1,
+) -> BucketPlan:
+    """The fitted plan: at most ``budget`` buckets that cover every legal step and minimise the
+    padding of the traced steps (``trace``: shape -> number of steps).
+
+    Raises EnvError naming VLLM_BUCKETING_GRAPH_BUDGET when the budget is below the buckets that
+    coverage needs. Shapes no step within the engine limits can have are dropped with a warning.
+    """
+    lim = _Limits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kv_blocks)
+    return _fit(trace, lim, budget, max_prefill_batch)
+
+
+def _fit(
+    trace: Mapping[TracedShape, int], lim: _Limits, budget: int, prefill_bs: int
+) -> BucketPlan:
+    q_max, c_max, d_max = lim.query_max, lim.prompt_ctx_max, lim.decode_blocks_max
+    packed_c = max(c_max, 1) * PACKED_CONTEXT_FACTOR
+    tokens, per_seq = lim.max_num_batched_tokens, lim.blocks_per_seq
+    prefill_cap = min(prefill_bs, lim.max_num_seqs)
+
+    def ctx_limit(batch: int) -> int:
+        return packed_c if batch == 1 else c_max  # a single row may be a packed prefill
+
+    def legal(s: TracedShape) -> bool:
+        if s.phase == "prompt":
+            return (
+                s.batch_size <= prefill_cap
+                and s.batch_size * s.query_len <= tokens
+                and s.query_len <= q_max
+                and s.ctx_blocks <= ctx_limit(s.batch_size)
+            )
+        return s.batch_size <= min(lim.max_num_seqs, s.ctx_blocks) and s.ctx_blocks <= min(
+            d_max, s.batch_size * per_seq
+        )
+
+    shapes = {s: n for s, n in trace.items() if legal(s)}
+    dropped = sorted((s for s in trace if s not in shapes), key=lambda s: (s.phase, s.batch_size))
+    if dropped:
+        logger.warning(
+            "%s: dropped %d traced shape(s) (%d steps) no step within these engine limits can have "
+            "(prefill batch above VLLM_PROMPT_BS_BUCKET_MAX=%d or over max_num_batched_tokens, "
+            "context or decode blocks beyond max_model_len / the KV cache), e.g. %s",
+            VLLM_BUCKETING_TRACE,
+            len(dropped),
+            sum(trace[s] for s in dropped),
+            prefill_bs,
+            dropped[:3],
+        )
+    prices = _fit_prices(shapes, lim.block_size)
+
+    # Coverage first: with these every legal step has a bucket, traced or not, and every
+    # prefill batch of up to VLLM_PROMPT_BS_BUCKET_MAX sequences within the token budget runs as
+    # a batch (the largest query for its batch size, the largest context); the single row also
+    # holds packed prefills.
+    decode_bs = min(lim.max_num_seqs, d_max)
+    fixed = {
+        Bucket("prompt", 1, q_max, packed_c),
+        Bucket("decode", decode_bs, 1, min(d_max, decode_bs * per_seq)),
+    }
+    fixed.update(
+        Bucket("prompt", b, min(q_max, tokens // b), ctx_limit(b))
+        for b in range(1, prefill_cap + 1)
+        if tokens // b >= 1
+    )
+    if budget < len(fixed):
+        raise EnvError(
+            f"{VLLM_BUCKETING_GRAPH_BUDGET}={budget} is below the {len(fixed)} buckets the "
+            "fitted plan needs to cover every step (the largest decode shape and, for each "
+            "prefill batch size up to VLLM_PROMPT_BS_BUCKET_MAX, the largest prompt shape); raise "
+            f"it to at least {len(fixed)} or unset it."
+        )
+    keep = set(fixed)
+
+    def rounded(s: TracedShape, bits: int) -> Bucket:
+        if s.phase == "prompt":  # the batch stays exact: it is small and bounds the query
+            q = min(_round_bits(s.query_len, bits), q_max, tokens // s.batch_size)
+            c = min(_round_bits(s.ctx_blocks, bits), ctx_limit(s.batch_size))
+            return Bucket("prompt", s.batch_size, q, c)
+        b = min(_round_bits(s.batch_size, bits), decode_bs)
+        blocks = min(max(_round_bits(s.ctx_blocks, bits), b), d_max, b * per_seq)
+        return Bucket("decode", b, 1, max(blocks, s.ctx_blocks))
+
+    bits = FIT_BITS
+    while True:
+        cells: dict[Bucket, _Cell] = {}
+        for s, n in shapes.items():
+            key = rounded(s, bits)
+            exact = (s.batch_size, s.query_len, s.ctx_blocks)
+            cell = cells.get(key)
+            if cell is None:
+                cells[key] = _Cell(key, exact, n)
+            else:
+                cell.top = (
+                    max(cell.top[0], exact[0]),
+                    max(cell.top[1], exact[1]),
+                    max(cell.top[2], exact[2]),
+                )
+                cell.count += n
+        largest = max((sum(k.phase == p for k in cells) for p in ("prompt", "decode")), default=0)
+        if largest <= FIT_MAX_CELLS or bits == FIT_MIN_BITS:
+            break
+        bits -= 1
+
+    candidates = _candidates(list(cells), tokens, c_max, per_seq)
+    chosen = _greedy(list(cells.values()), candidates, fixed, budget - len(fixed), prices)
+    chosen = _refine(list(cells.values()), candidates, chosen, fixed, prices)
+    return BucketPlan(FITTED_STRATEGY, *_lower(list(cells.values()), chosen, keep, prices), prices)
+
+
+def _candidates(cells: list[Bucket], tokens: int, c_max: int, per_seq: int) -> list[Bucket]:
+    """The buckets the fit chooses from: every traced (rounded) shape, and per phase and batch
+    size the smallest bucket holding every shape of that batch size or less (a bucket that
+    serves many shapes at once, which no single traced shape is; a prefill batch's context stays
+    within one sequence's, ``c_max``)."""
+    found = dict.fromkeys(cells)
+    for phase in ("prompt", "decode"):
+        query = ctx = 0
+        for batch in sorted({b.batch_size for b in cells if b.phase == phase}):
+            for b in cells:
+                if b.phase == phase and b.batch_size == batch:
+                    query, ctx = max(query, b.query_len), max(ctx, b.ctx_blocks)
+            if phase == "decode":
+                found.setdefault(Bucket(phase, batch, query, ctx))
+            elif batch * query <= tokens:
+                found.setdefault(
+                    Bucket(phase, batch, query, ctx if batch == 1 else min(ctx, c_max))
+                )
+        mine = [b for b in cells if b.phase == phase]
+        axes = [
+            sorted({getattr(b, d) for b in mine}) for d in ("batch_size", "query_len", "ctx_blocks")
+        ]
+        if math.prod(map(len, axes)) <= FIT_GRID_CANDIDATES:
+            for batch, query, ctx in product(*axes):
+                if phase == "decode":
+                    ok = batch <= ctx <= batch * per_seq
+                else:
+                    ok = batch * query <= tokens and (batch == 1 or ctx <= c_max)
+                if ok:
+                    found.setdefault(Bucket(phase, batch, query, ctx))
+    return list(found)
+
+
+def _greedy(
+    cells: list[_Cell],
+    candidates: list[Bucket],
+    fixed: set[Bucket],
+    slots: int,
+    prices: tuple[float, ...],
+) -> set[Bucket]:
+    """Add up to ``slots`` candidates as buckets, each time the one that lowers the traced
+    padding most (lazy greedy: a candidate's gain only shrinks as buckets are added)."""
+
+    chosen = set(fixed)
+    cost = []
+    for cell in cells:
+        fits = [_price(b, prices) for b in fixed if _covers(b, cell.bucket)]
+        cost.append(min(fits))  # the coverage buckets hold every legal shape
+    served: list[tuple[int, list[int]]] = []
+    for phase in ("prompt", "decode"):
+        # Cells of the phase sorted by batch size: a candidate serves cells in a prefix of it.
+        idx = sorted(
+            (i for i, c in enumerate(cells) if c.bucket.phase == phase),
+            key=lambda i: cells[i].bucket.batch_size,
+        )
+        bs = [cells[i].bucket.batch_size for i in idx]
+        qs = [cells[i].bucket.query_len for i in idx]
+        cs = [cells[i].bucket.ctx_blocks for i in idx]
+        for m, cand in enumerate(candidates):
+            if cand.phase != phase:
+                continue
+            b, q, c = cand.batch_size, cand.query_len, cand.ctx_blocks
+            end = bisect.bisect_right(bs, b)
+            served.append((m, [idx[j] for j in range(end) if qs[j] <= q and cs[j] <= c]))
+    served.sort()
+    served_by = [members for _, members in served]
+    price = [_price(b, prices) for b in candidates]
+    count = [c.count for c in cells]
+
+    def gain(m: int) -> float:
+        p = price[m]
+        # A cell already served at this price or less never counts again: forget it.
+        live = served_by[m] = [i for i in served_by[m] if cost[i] > p]
+        return sum(count[i] * (cost[i] - p) for i in live)
+
+    heap = [(-gain(m), m) for m in range(len(candidates)) if candidates[m] not in chosen]
+    heapq.heapify(heap)
+    while slots > 0 and heap:
+        _, m = heapq.heappop(heap)
+        g = gain(m)
+        if g <= 0:
+            continue
+        if heap and g < -heap[0][0]:
+            heapq.heappush(heap, (-g, m))  # stale: another candidate may now gain more
+            continue
+        chosen.add(candidates[m])
+        slots -= 1
+        for i in served_by[m]:
+            cost[i] = min(cost[i], price[m])
+    return chosen
+
+
+def _refine(
+    cells: list[_Cell],
+    candidates: list[Bucket],
+    chosen: set[Bucket],
+    fixed: set[Bucket],
+    prices: tuple[float, ...],
+) -> set[Bucket]:
+    """Swap a chosen bucket for another traced cell while that lowers the traced padding (first
+    improvement, within FIT_SWAP_WORK cell evaluations): greedy picks large buckets early and
+    cannot take them back."""
+    chosen = set(chosen)
+    work = 0
+    for phase in ("prompt", "decode"):
+        mine = [c for c in cells if c.bucket.phase == phase]
+        shapes = [(c.bucket.batch_size, c.bucket.query_len, c.bucket.ctx_blocks) for c in mine]
+        counts = [c.count for c in mine]
+        improved = True
+        while improved and work < FIT_SWAP_WORK:
+            improved = False
+            current = sorted(
+                (b for b in chosen if b.phase == phase), key=lambda b: _price(b, prices)
+            )
+            best, second, owner = [], [], []
+            for shape in shapes:
+                fits = [b for b in current if _holds(b, shape)][:2]
+                best.append(_price(fits[0], prices))
+                owner.append(fits[0])
+                second.append(_price(fits[1], prices) if len(fits) > 1 else math.inf)
+            total = sum(n * c for n, c in zip(counts, best))
+            for out in (b for b in current if b not in fixed):
+                without = [s if o == out else b for b, s, o in zip(best, second, owner)]
+                for cand in (b for b in candidates if b.phase == phase):
+                    if cand in chosen:
+                        continue
+                    work += len(shapes)
+                    p = _price(cand, prices)
+                    new = sum(
+                        n * (min(w, p) if _holds(cand, shape) else w)
+                        for n, w, shape in zip(counts, without, shapes)
+                    )
+                    if new < total * (1 - 1e-9):
+                        chosen.discard(out)
+                        chosen.add(cand)
+                        improved = True
+                        break
+                    if work >= FIT_SWAP_WORK:
+                        break
+                if improved or work >= FIT_SWAP_WORK:
+                    break
+    return chosen
+
+
+def _holds(b: Bucket, shape: tuple[int, int, int]) -> bool:
+    return b.batch_size >= shape[0] and b.query_len >= shape[1] and b.ctx_blocks >= shape[2]
+
+
+def _lower(
+    cells: list[_Cell], chosen: set[Bucket], keep: set[Bucket], prices: tuple[float, ...]
+) -> tuple[tuple[Bucket, ...], tuple[Bucket, ...]]:
+    """Each chosen bucket lowered to the exact largest shape among the cells it serves best
+    (``keep``, the coverage buckets, stay as they are); a bucket serving none is dropped."""
+    ranked = sorted(chosen, key=lambda b: _price(b, prices))
+    tops: dict[Bucket, tuple[int, int, int]] = {}
+    for cell in cells:
+        best = next(b for b in ranked if _covers(b, cell.bucket))
+        t = tops.get(best, (0, 0, 0))
+        tops[best] = (max(t[0], cell.top[0]), max(t[1], cell.top[1]), max(t[2], cell.top[2]))
+    final = set(keep)
+    for b, (batch, query, ctx) in tops.items():
+        final.add(b if b in keep else Bucket(b.phase, batch, query, ctx))
+    prompt = tuple(b for b in final if b.phase == "prompt")
+    decode = tuple(b for b in final if b.phase == "decode")
+    return prompt, decode
+
+
+def prefill_batch_max(environ: Mapping[str, str] | None = None) -> int:
+    """The most sequences one prefill bucket holds: VLLM_PROMPT_BS_BUCKET_MAX, default 1."""
+    found = _Env(os.environ if environ is None else environ).param(_PROMPT_BS, "MAX")
+    return found[1] if found else 1
+
+
+def _fitted_from_env(env: _Env, lim: _Limits, *, exp_graphs: int) -> BucketPlan:
+    raw = env.raw(VLLM_BUCKETING_TRACE)
+    if raw is None:
+        raise EnvError(
+            f"{VLLM_BUCKETING_STRATEGY}=fitted needs {VLLM_BUCKETING_TRACE}=<file>, a trace of "
+            "step shapes; record one while serving under another strategy with "
+            "VLLM_BUCKETING_RECORD_TRACE=<file>, or choose exp, lin or pad."
+        )
+    budget = env.integer(VLLM_BUCKETING_GRAPH_BUDGET, 1)
+    found = env.param(_PROMPT_BS, "MAX")
+    plan = _fit(
+        read_trace(raw.strip()),
+        lim,
+        exp_graphs if budget is None else budget,
+        found[1] if found else 1,
+    )
+    logger.info(
+        "%s=fitted: %d buckets fitted to %s within a budget of %d graphs%s",
+        VLLM_BUCKETING_STRATEGY,
+        len(plan.prompt) + len(plan.decode),
+        raw.strip(),
+        exp_graphs if budget is None else budget,
+        "" if budget is not None else f" (exp's count; set {VLLM_BUCKETING_GRAPH_BUDGET})",
+    )
+    return plan
 
 
 # ------------------------------------------------------------------------------- bucket file
@@ -728,6 +1167,9 @@ def plan_from_env(
     ranges = _ranges(strategy, env, lim)
     prompt = _prompt_grid(ranges[_PROMPT_BS], ranges[_PROMPT_QUERY], ranges[_PROMPT_CTX], lim)
     decode = _decode_grid(ranges[_DECODE_BS], ranges[_DECODE_BLOCK], lim)
+    if strategy == FITTED_STRATEGY:
+        # Its default budget: the graphs exp warms up (the grid may list a bucket twice).
+        return _fitted_from_env(env, lim, exp_graphs=len(set(prompt)) + len(set(decode)))
     for phase, found in (("prompt", prompt), ("decode", decode)):
         if not found:
             raise EnvError(

@@ -138,8 +138,32 @@ VLLM_BUCKETING_STRATEGY = _declare(
     "VLLM_BUCKETING_STRATEGY",
     "exp",
     "How each bucket dimension's values are generated: exp (exponential, from the engine "
-    "limits), lin (linear with ramp-up) or pad (padding-aware).",
+    "limits), lin (linear with ramp-up) or pad (padding-aware); or fitted: the buckets that "
+    "minimise the padding of the step shapes in VLLM_BUCKETING_TRACE within "
+    "VLLM_BUCKETING_GRAPH_BUDGET graphs.",
     kind="choice",
+)
+VLLM_BUCKETING_TRACE = _declare(
+    "VLLM_BUCKETING_TRACE",
+    None,
+    "The step-shape trace VLLM_BUCKETING_STRATEGY=fitted fits its buckets to (a file written by "
+    "VLLM_BUCKETING_RECORD_TRACE, or the operator's, same format).",
+    kind="path",
+)
+VLLM_BUCKETING_GRAPH_BUDGET = _declare(
+    "VLLM_BUCKETING_GRAPH_BUDGET",
+    None,
+    "Most warmup graphs (prompt + decode buckets) VLLM_BUCKETING_STRATEGY=fitted may pick. Unset: "
+    "as many as exp warms up for the same engine limits.",
+    kind="int",
+)
+VLLM_BUCKETING_RECORD_TRACE = _declare(
+    "VLLM_BUCKETING_RECORD_TRACE",
+    None,
+    "A file the model runner appends the shape of every serving step to (prompt: batch, query "
+    "length, context blocks; decode: batch, blocks), as counts flushed every 1000 steps or 10 s "
+    "and at exit; the input of VLLM_BUCKETING_STRATEGY=fitted. Unset: nothing is recorded.",
+    kind="path",
 )
 VLLM_BUCKETING_FROM_FILE = _declare(
     "VLLM_BUCKETING_FROM_FILE",

@@ -22,8 +22,9 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs, step_layout
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.seam import backend as seam_backend
+from vllm_gaudi_platform.step_trace import TraceRecorder
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -106,6 +107,15 @@ class HPUModelRunner(GPUModelRunner):
             block_size=self.cache_config.block_size,
         )
         self.recompiles = RecompileTracker(strict=envs.get_bool(envs.VLLM_FULL_WARMUP))
+        self.trace_recorder: TraceRecorder | None = None
+        trace_path = (envs.get_raw(envs.VLLM_BUCKETING_RECORD_TRACE) or "").strip()
+        if trace_path:
+            self.trace_recorder = TraceRecorder(
+                trace_path,
+                block_size=self.block_size,
+                max_num_batched_tokens=budget,
+                max_prefill_batch=prefill_batch_max(),
+            )
         self.warmup_seconds: float | None = None
         self._planning = False
 
@@ -149,6 +159,8 @@ class HPUModelRunner(GPUModelRunner):
         # The plan's block arithmetic must use the block size and count the KV cache really has.
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
+        if self.trace_recorder is not None:
+            self.trace_recorder.block_size = self.block_size
         sched = self.scheduler_config
         self.bucket_plan = step_layout.with_packed_context(
             plan_from_env(
@@ -219,6 +231,8 @@ class HPUModelRunner(GPUModelRunner):
             plan=self.bucket_plan,
         )
         self.recompiles.record(layout)
+        if self.trace_recorder is not None:
+            self.trace_recorder.record(query_lens, seq_lens)
         step_layout.set_current(layout)
         padded = layout.num_tokens_padded
         return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, None, None)

@@ -17,10 +17,11 @@ on Gaudi). This module is pure Python (no torch) so the bucket arithmetic is che
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.bucketing import PACKED_CONTEXT_FACTOR, Bucket, BucketPlan
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,6 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-PACKED_CONTEXT_FACTOR = 4
-
-
 def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -> BucketPlan:
     """Add the single-row prompt buckets that packed prefills need.
 
@@ -80,9 +78,9 @@ def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -
     sequence's maximum. For every single-row query bucket this adds context buckets doubling from
     the plan's largest up to `factor` times it, so that a step with several chunked or
     prefix-cached prefills still finds a warmed shape. A plan read from a bucket file is kept
-    exactly as the operator wrote it.
+    exactly as the operator wrote it; a fitted plan already holds its packed-prefill bucket.
     """
-    if plan.strategy == "file":
+    if plan.strategy in ("file", "fitted"):
         return plan
     singles = [b for b in plan.prompt if b.batch_size == 1]
     if not singles:
@@ -94,7 +92,7 @@ def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -
         c *= 2
     queries = sorted({b.query_len for b in singles})
     extra = [Bucket("prompt", 1, q, c) for q in queries for c in extra_ctx]
-    return BucketPlan(plan.strategy, (*plan.prompt, *extra), plan.decode)
+    return dataclasses.replace(plan, prompt=(*plan.prompt, *extra))
 
 
 def plan_prefill(
