@@ -15,7 +15,7 @@ MAX_SPEC_LEN = 4
 VOCAB = 11
 
 
-# ------------------------------------------------------------------ references (one request at a time)
+# ------------------------------------------- references (one request at a time)
 def ref_rejection(
     out,
     cu,
@@ -106,7 +106,9 @@ def test_greedy_stand_in_treats_all_rows_as_greedy_without_a_mask():
         replacement=lambda t: argmax[t],
     )
 
-    to.rejection_greedy_sample(out, cu, drafts, argmax, bonus, None, MAX_SPEC_LEN, None, None, False)
+    to.rejection_greedy_sample(
+        out, cu, drafts, argmax, bonus, None, MAX_SPEC_LEN, None, None, False
+    )
 
     assert torch.equal(out, expected)
 

@@ -34,6 +34,10 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    and the runner's input preparation launches this kernel on every platform. Not a monkeypatch:
    vLLM's own override registry; the kernel name string is the contract. Can go when vLLM computes
    the slot mapping without Triton on non-CUDA platforms, or when a Gaudi Triton backend exists.
+   Also the four rejection-sampler kernels of speculative decoding (`rejection_greedy_sample_
+   kernel`, `rejection_random_sample_kernel`, `expand_kernel`, `sample_recovered_tokens_kernel`),
+   whose stand-ins take the kernels' parameter names so vLLM's launcher passes them by name. Can
+   go with the slot mapping's, or when vLLM's rejection sampler has a torch path.
 
 Not process-wide but on the same list: `HPUModelRunner._share_host_buffers` (emulation only)
 points the device half of every `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at
@@ -155,6 +159,79 @@ UPSTREAM: tuple[Upstream, ...] = (
             "PAD_ID",
             "BLOCK_SIZE",
         ),
+    ),
+    *(
+        Upstream(
+            f"vllm.v1.sample.rejection_sampler:{kernel}",
+            f"triton_overrides.{stand_in} stands in for it, by name",
+            params=params,
+        )
+        for kernel, stand_in, params in (
+            (
+                "rejection_greedy_sample_kernel",
+                "rejection_greedy_sample",
+                (
+                    "output_token_ids_ptr",
+                    "cu_num_draft_tokens_ptr",
+                    "draft_token_ids_ptr",
+                    "target_argmax_ptr",
+                    "bonus_token_ids_ptr",
+                    "is_greedy_ptr",
+                    "max_spec_len",
+                    "uniform_probs_ptr",
+                    "synthetic_conditional_rates_ptr",
+                    "SYNTHETIC_MODE",
+                ),
+            ),
+            (
+                "rejection_random_sample_kernel",
+                "rejection_random_sample",
+                (
+                    "output_token_ids_ptr",
+                    "cu_num_draft_tokens_ptr",
+                    "draft_token_ids_ptr",
+                    "draft_probs_ptr",
+                    "target_probs_ptr",
+                    "bonus_token_ids_ptr",
+                    "recovered_token_ids_ptr",
+                    "uniform_probs_ptr",
+                    "is_greedy_ptr",
+                    "max_spec_len",
+                    "vocab_size",
+                    "synthetic_conditional_rates_ptr",
+                    "NO_DRAFT_PROBS",
+                    "SYNTHETIC_MODE",
+                ),
+            ),
+            (
+                "expand_kernel",
+                "expand",
+                (
+                    "output_ptr",
+                    "input_ptr",
+                    "cu_num_tokens_ptr",
+                    "replace_from",
+                    "replace_to",
+                    "MAX_NUM_TOKENS",
+                ),
+            ),
+            (
+                "sample_recovered_tokens_kernel",
+                "sample_recovered_tokens",
+                (
+                    "output_token_ids_ptr",
+                    "cu_num_draft_tokens_ptr",
+                    "draft_token_ids_ptr",
+                    "draft_probs_ptr",
+                    "target_probs_ptr",
+                    "inv_q_ptr",
+                    "vocab_size",
+                    "BLOCK_SIZE",
+                    "NO_DRAFT_PROBS",
+                    "USE_FP64_GUMBEL",
+                ),
+            ),
+        )
     ),
     # --- torch names patched process-wide (see the ledger above) -------------------------------
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
@@ -460,6 +537,14 @@ CONVENTIONS: dict[str, Callable[[], list[str]]] = {
 # ------------------------------------------------------------------------------------- the tests
 
 
+SPEC_DECODE_KERNEL_NAMES = (
+    "vllm.v1.sample.rejection_sampler.rejection_greedy_sample_kernel",
+    "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel",
+    "vllm.v1.sample.rejection_sampler.expand_kernel",
+    "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel",
+)
+
+
 @pytest.mark.parametrize("expected", UPSTREAM, ids=str)
 def test_upstream_name_still_exists_with_the_parameters_we_rely_on(expected):
     problems = problems_with(expected)
@@ -490,6 +575,17 @@ def test_slot_mapping_stand_in_takes_the_kernels_parameters_in_order():
     expected = [n.removesuffix("_ptr") for n in parameter_names(kernel)]
 
     assert parameter_names(triton_overrides.compute_slot_mapping) == expected
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_DECODE_KERNEL_NAMES))
+def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
+    from vllm_gaudi_platform import triton_overrides
+
+    module, kernel = name.rsplit(".", 1)
+    # vLLM's launcher forwards by keyword only when the names match exactly, in order.
+    expected = parameter_names(resolve(f"{module}:{kernel}"))
+
+    assert parameter_names(triton_overrides.SPEC_DECODE_KERNELS[name]) == expected
 
 
 def test_guard_reports_a_method_renamed_away_upstream(monkeypatch):

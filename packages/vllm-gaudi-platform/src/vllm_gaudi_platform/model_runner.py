@@ -20,7 +20,7 @@ from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gaudi_platform import envs, step_layout
+from vllm_gaudi_platform import envs, spec_decode, step_layout
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.seam import backend as seam_backend
@@ -170,6 +170,17 @@ class HPUModelRunner(GPUModelRunner):
                 block_size=self.block_size,
                 num_kv_blocks=kv_cache_config.num_blocks,
             )
+        )
+        # Speculative decoding: verification steps (1 + k tokens per sequence) get their buckets.
+        self.bucket_plan = spec_decode.with_verify_buckets(
+            self.bucket_plan,
+            spec_decode.verify_buckets(
+                self.bucket_plan,
+                num_speculative_tokens=spec_decode.num_speculative_tokens(self.speculative_config),
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+            ),
         )
 
     def load_model(

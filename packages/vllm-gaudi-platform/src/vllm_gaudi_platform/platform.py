@@ -223,6 +223,9 @@ class HpuPlatform(Platform):
         check_quant = getattr(vllm_config.quant_config, "hpu_check_vllm_config", None)
         if check_quant is not None:
             check_quant(vllm_config)
+        from vllm_gaudi_platform.spec_decode import check_speculative_config
+
+        check_speculative_config(vllm_config.speculative_config)
 
         parallel_config = vllm_config.parallel_config
         if parallel_config.worker_cls == "auto":

@@ -156,7 +156,7 @@ def plan_step(
 
 def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list[int]]:
     """A synthetic step that fills `bucket` exactly (for warmup), and its sequence lengths."""
-    if bucket.phase == "prompt":
+    if bucket.phase != "decode":  # prompt and verify buckets are prefill-shaped
         n, q, c = bucket.batch_size, bucket.query_len, bucket.ctx_blocks
         query_lens = [q] * n
         seq_lens = [q + c * block_size] * n

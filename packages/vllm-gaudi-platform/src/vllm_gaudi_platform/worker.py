@@ -190,6 +190,7 @@ class HPUWorker(Worker):
             "bucket_plan": runner.bucket_plan.describe(),
             "num_prompt_buckets": len(runner.bucket_plan.prompt),
             "num_decode_buckets": len(runner.bucket_plan.decode),
+            "num_verify_buckets": sum(b.phase == "verify" for b in runner.bucket_plan.prompt),
         }
 
     def check_health(self) -> None:

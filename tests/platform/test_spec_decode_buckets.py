@@ -1,0 +1,97 @@
+"""Speculative decoding on HPU: which methods run, and the verification buckets (1 + k tokens per
+sequence) that warmup covers and verification steps land on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_gaudi_platform import spec_decode, step_layout
+from vllm_gaudi_platform.bucketing import plan_from_env
+
+LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, block_size=128)
+K = 3
+
+
+def plan_with_verify(k: int = K):
+    plan = step_layout.with_packed_context(plan_from_env(**LIMITS, environ={}))
+    buckets = spec_decode.verify_buckets(
+        plan,
+        num_speculative_tokens=k,
+        max_model_len=LIMITS["max_model_len"],
+        block_size=LIMITS["block_size"],
+        max_num_batched_tokens=LIMITS["max_num_batched_tokens"],
+    )
+    return plan, spec_decode.with_verify_buckets(plan, buckets)
+
+
+def test_ngram_is_accepted():
+    spec_decode.check_speculative_config(SimpleNamespace(method="ngram"))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp", "draft_model"])
+def test_other_methods_are_refused_with_the_supported_ones_named(method):
+    with pytest.raises(ValueError) as err:
+        spec_decode.check_speculative_config(SimpleNamespace(method=method))
+
+    assert repr(method) in str(err.value) and "supported: ngram" in str(err.value)
+
+
+def test_no_speculation_adds_no_buckets():
+    plain, with_verify = plan_with_verify(k=0)
+
+    assert with_verify == plain
+
+
+def test_verify_buckets_hold_one_plus_k_tokens_at_every_decode_batch_size():
+    plain, plan = plan_with_verify()
+    verify = [b for b in plan.prompt if b.phase == "verify"]
+
+    assert {b.query_len for b in verify} == {1 + K}
+    assert {b.batch_size for b in verify} == {b.batch_size for b in plain.decode}
+    # Context per sequence: up to what a 512-token sequence holds before its last 1 + k tokens.
+    assert {b.ctx_blocks for b in verify} == {1, 2, 4}
+
+
+def test_verify_buckets_stay_within_the_token_budget():
+    plain = plan_from_env(**LIMITS, environ={})
+
+    buckets = spec_decode.verify_buckets(
+        plain,
+        num_speculative_tokens=15,
+        max_model_len=512,
+        block_size=128,
+        max_num_batched_tokens=64,
+    )
+
+    assert buckets and all(b.batch_size * b.query_len <= 64 for b in buckets)
+
+
+def test_a_verification_step_lands_on_a_warmed_verify_bucket():
+    _, plan = plan_with_verify()
+    # Five sequences with 3, 3, 2 and 3 drafts (queries 1 + drafts), one without drafts (decode).
+    query_lens = [4, 4, 3, 1, 4]
+    seq_lens = [200, 300, 140, 260, 400]
+
+    layout = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=128, plan=plan
+    )
+
+    assert layout.prefill is not None and layout.prefill.bucket.phase == "verify"
+    assert layout.prefill.query_bucket == 1 + K and layout.prefill.rows >= 4
+    assert layout.prefill.row_members == ((0,), (1,), (2,), (4,))
+    assert layout.decode is not None and layout.decode.members == (3,)
+    assert layout.warmed
+    assert layout.prefill.bucket in plan.prompt  # warmup runs every bucket of the plan
+
+
+def test_warmup_lays_a_verify_bucket_out_as_prefill_rows_with_context():
+    _, plan = plan_with_verify()
+    bucket = next(b for b in plan.prompt if b.phase == "verify" and b.batch_size > 1)
+
+    layout, seq_lens = step_layout.layout_for_bucket(bucket, 128)
+
+    assert layout.prefill is not None and layout.decode is None
+    assert layout.num_tokens_padded == bucket.batch_size * (1 + K)
+    assert seq_lens == [1 + K + bucket.ctx_blocks * 128] * bucket.batch_size
