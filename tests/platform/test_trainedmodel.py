@@ -71,6 +71,29 @@ def test_training_with_the_same_seed_gives_identical_weights(small, tmp_path: Pa
     assert trainedmodel.metrics(first)["train_loss"] == trainedmodel.metrics(second)["train_loss"]
 
 
+def test_the_weights_do_not_depend_on_the_thread_count(
+    small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # Full width (one layer): narrow matrices would not be split across threads at all.
+    wide = {k: trainedmodel.CONFIG[k] for k in ("hidden_size", "intermediate_size")}
+    monkeypatch.setattr(trainedmodel, "CONFIG", {**trainedmodel.CONFIG, **wide})
+    built = []
+    for threads in (1, 2):
+        monkeypatch.setattr(trainedmodel, "training_threads", lambda n=threads: n)
+        built.append(trainedmodel.build(root=tmp_path / str(threads), progress=False))
+    assert [trainedmodel.metrics(p)["train_threads"] for p in built] == [1, 2]
+    one, two = ((p / "model.safetensors").read_bytes() for p in built)
+    assert one == two
+
+
+def test_training_uses_one_thread_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(trainedmodel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(trainedmodel.os, "getloadavg", lambda: (1.8, 1.0, 1.0))
+    assert trainedmodel.training_threads() == 1
+    monkeypatch.setattr(trainedmodel.os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert trainedmodel.training_threads() == 2
+
+
 def test_a_cached_model_is_returned_without_training(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
