@@ -113,7 +113,8 @@ the values are generated, not filtered after; ``min`` and ``max`` are always val
 buckets are filtered by reachability rather than ``query <= max_model_len``; ``D`` is the exact
 worst case (no ``max(..., block_size)``) and the KV cap applies to every strategy; exponential
 points are rounded to 9 decimals before rounding up. Not implemented (the runner has none of
-these): merged prefill, contiguous PA, speculative-decode buckets, runtime fallback buckets.
+these): merged prefill, contiguous PA, runtime fallback buckets. Speculative decoding adds its
+verification buckets (phase ``verify``, query ``1 + k``) to the plan: see ``spec_decode.py``.
 
 Bad values (not an integer, below the dimension's floor, ``STEP`` 0, ``PAD_PERCENT`` above 50,
 ``MIN`` above ``MAX``, an unknown strategy, an unreadable or malformed file) raise ``EnvError``
