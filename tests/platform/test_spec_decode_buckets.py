@@ -95,3 +95,18 @@ def test_warmup_lays_a_verify_bucket_out_as_prefill_rows_with_context():
     assert layout.prefill is not None and layout.decode is None
     assert layout.num_tokens_padded == bucket.batch_size * (1 + K)
     assert seq_lens == [1 + K + bucket.ctx_blocks * 128] * bucket.batch_size
+
+
+def test_the_platform_refuses_an_unsupported_method_when_the_config_is_built(run_python):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm_gaudi_platform import tinymodels\n"
+        "args = EngineArgs(model=str(tinymodels.build('llama')),\n"
+        "    speculative_config={'method': 'ngram_gpu', 'num_speculative_tokens': 2})\n"
+        "args.create_engine_config()\n"
+    )
+
+    result = run_python(code, {"VLLM_HPU_EMULATION": "cpu"})
+
+    assert result.returncode != 0
+    assert "method 'ngram_gpu' is not supported on HPU; supported: ngram" in result.stderr
