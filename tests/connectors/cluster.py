@@ -34,6 +34,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 outside the kernel's ephemeral range.
 
@@ -49,12 +52,15 @@ def free_port() -> int:
     rng = random.Random()
     for _ in range(200):
         port = rng.randrange(first, low)
+        if port in _handed_out:  # not bound yet by the server it was picked for
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _handed_out.add(port)
+        return port
     raise RuntimeError(f"no free TCP port between {first} and {low}")
 
 

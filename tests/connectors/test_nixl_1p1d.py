@@ -153,14 +153,15 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
         dtype=DTYPE,
     )
-    servers = [single, prefill, decode]
+    proxy = cluster.start_proxy([prefill.url], [decode.url], logs, PROXY_TIMEOUT_S)
+    servers = [single, prefill, decode, proxy]
     try:
-        cluster.wait_ready(single, prefill, decode)
+        # The reference is taken while the pair is still starting, and the single instance is
+        # stopped before the pair serves.
+        cluster.wait_ready(single)
         reference = [_token_ids(_complete(single.url, p)) for p in [*PROMPTS, ORPHAN, AFTER]]
         single.stop()
-        proxy = cluster.start_proxy([prefill.url], [decode.url], logs, PROXY_TIMEOUT_S)
-        servers.append(proxy)
-        cluster.wait_ready(proxy)
+        cluster.wait_ready(prefill, decode, proxy)
         yield Deployment(prefill, decode, proxy, reference[:-2], *reference[-2:])
     finally:
         for server in servers:
