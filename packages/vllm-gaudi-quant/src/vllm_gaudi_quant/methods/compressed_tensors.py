@@ -22,9 +22,9 @@ experts of compressed-tensors checkpoints among them, for now).
 
 KV cache: a checkpoint with a `kv_cache_scheme` (8-bit float, symmetric, one scale per tensor)
 stores its KV cache in FP8 with the checkpoint's k/v scales: `hpu_check_vllm_config` turns
-kv_cache_dtype "auto" into "fp8" before any engine starts (an explicit kv_cache_dtype wins, as
-in vLLM), and vLLM's compressed-tensors KV method loads `k_scale`/`v_scale` into the attention
-layers, whose HPU backend quantizes with them.
+kv_cache_dtype "auto" into "fp8_inc" (Gaudi's FP8 E4M3 cache) before any engine starts (an
+explicit kv_cache_dtype wins, as in vLLM), and vLLM's compressed-tensors KV method loads
+`k_scale`/`v_scale` into the attention layers, whose HPU backend quantizes with them.
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ SUPPORTED = (
     "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations) and 4-bit WNA16 "
     "pack-quantized (group or channel, symmetric or not)"
 )
+# The KV cache dtype a kv_cache_scheme selects: FP8 E4M3 with per-layer scales (vLLM's table maps
+# "fp8_inc" to torch.float8_e4m3fn, "fp8" to uint8 storage meant for CUDA kernels).
+FP8_KV_CACHE_DTYPE = "fp8_inc"
 SYMMETRIC_ZERO = 8  # the offset compressed-tensors adds to signed 4-bit values when packing
 
 
@@ -158,7 +161,8 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
             )
         cache_config = vllm_config.cache_config
         if cache_config.cache_dtype == "auto":
-            cache_config.cache_dtype = "fp8"
+            # Gaudi's name for the E4M3 cache; vLLM's "fp8" is stored as uint8 bytes.
+            cache_config.cache_dtype = FP8_KV_CACHE_DTYPE
             logger.info(
                 "compressed-tensors checkpoint with a kv_cache_scheme: KV cache stored in FP8 "
                 "with the checkpoint's k/v scales."
