@@ -18,4 +18,7 @@ Layout (follow it when adding a method `<method>`):
 
 Shared pieces: `methods/fp8.py` exposes `apply_fp8_linear` (FP8 weight [K, N] times activations
 quantized with `cast_to_fp8_v2`, through `fp8_gemm_v2`) for any method with FP8 weights.
+`methods/uint4.py` holds the 4-bit pieces: the repacking helpers, `Uint4LinearMethod` and
+`Uint4MoEMethod` (a new 4-bit format only creates its checkpoint's parameters and repacks them
+into `convert_from_uint4`'s layout), and `Uint4Config` (name and claiming of a checkpoint format).
 """
