@@ -22,11 +22,13 @@ Determinism: fixed seeds for the weights and the batch order, and
 count (1 or 2 threads give identical bytes, which the unit tests check); they may still differ in
 the last bits between CPU instruction sets.
 
-Speed: one step (8 x 128 tokens) takes about 0.3 s on 2 idle cores. On a busy machine two
-OpenMP threads are much worse than one: every one of the hundreds of small parallel regions in a
-step waits at a barrier for a thread the kernel has descheduled, and a run measured at 0.56 s a
-step idle took 9 s a step (30 minutes in all) beside other CPU-bound processes. So training uses
-as many threads (at most MAX_TRAIN_THREADS) as there are idle cores when it starts.
+Speed: a step of 8 x 128 tokens costs about 0.6 s of one core (16 x 128: 0.97 s on one idle
+core, 0.56 s on two), so the 400 steps should take about 2.5 minutes on 2 idle cores. On a busy
+machine two OpenMP threads are much worse than one: every one of the hundreds of small parallel
+regions in a step waits at a barrier for a thread the kernel has descheduled; a 16 x 128 step
+measured at 0.56 s idle took 9 s beside other CPU-bound processes (30 minutes for 200 steps),
+one thread 6 s. So training uses as many threads (at most MAX_TRAIN_THREADS) as there are
+idle cores.
 
 Cache: the model is saved under `tinymodels.cache_root()` in a folder named by a hash of the model
 config, seed, corpus and training recipe, so a second run starts at once. It is built in a
