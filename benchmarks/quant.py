@@ -13,6 +13,9 @@ Adding a method: write `build_<method>(weight) -> Built` (weight is a bf16 [N, K
 weight) and add it to METHODS with its byte target.
 
     python benchmarks/quant.py [--repeats N] [--tokens T ...] [--methods NAME ...]
+
+Accuracy of whole quantized checkpoints (held-out perplexity of the trained tiny Llama, quantized
+over float, per format): benchmarks/quant_perplexity.py.
 """
 
 from __future__ import annotations
