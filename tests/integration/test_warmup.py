@@ -8,6 +8,7 @@ import pytest
 
 from tests.integration.generation import run_engine
 from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.step_trace import TracedShape, read_trace
 
 pytestmark = pytest.mark.engine
 
@@ -22,9 +23,18 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
-def narrow_run(model):
+def trace_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("trace") / "steps.txt"
+
+
+@pytest.fixture(scope="module")
+def narrow_run(model, trace_file):
     # No kv_cache_memory_bytes: the worker profiles memory on a 1 GiB emulated HPU.
-    env = {**NARROW, "VLLM_HPU_EMULATION_MEMORY_GB": "1"}
+    env = {
+        **NARROW,
+        "VLLM_HPU_EMULATION_MEMORY_GB": "1",
+        "VLLM_BUCKETING_RECORD_TRACE": str(trace_file),
+    }
     engine = {"kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.5}
     proc, result = run_engine(
         model, LONG_PROMPT, emulate=True, max_tokens=4, env=env, engine=engine
@@ -51,6 +61,14 @@ def test_shape_outside_the_warmed_buckets_is_counted_as_a_recompile(narrow_run):
     assert "Recompile #1" in proc.stdout + proc.stderr
 
 
+def test_runner_records_every_serving_step_shape_to_the_trace_file(narrow_run, trace_file):
+    # One 200-token prefill, then 3 decode steps of one sequence holding 2 blocks of 128.
+    assert read_trace(str(trace_file)) == {
+        TracedShape("prompt", 1, 200, 0): 1,
+        TracedShape("decode", 1, 1, 2): 3,
+    }
+
+
 def test_full_warmup_turns_a_recompile_into_an_error(model):
     env = {**NARROW, "VLLM_FULL_WARMUP": "true"}
     proc, result = run_engine(model, LONG_PROMPT, emulate=True, max_tokens=4, env=env)
@@ -64,3 +82,12 @@ def test_invalid_bucketing_setting_stops_startup_naming_the_variable(model):
     proc, result = run_engine(model, LONG_PROMPT, emulate=True, max_tokens=4, env=env)
     assert result is None
     assert "VLLM_DECODE_BS_BUCKET_STEP" in proc.stderr
+
+
+def test_malformed_trace_stops_startup_naming_the_variable_and_the_file(model, tmp_path):
+    trace = tmp_path / "steps.txt"
+    trace.write_text("decode 4\n")
+    env = {"VLLM_BUCKETING_STRATEGY": "fitted", "VLLM_BUCKETING_TRACE": str(trace)}
+    proc, result = run_engine(model, LONG_PROMPT, emulate=True, max_tokens=4, env=env)
+    assert result is None
+    assert f"VLLM_BUCKETING_TRACE={str(trace)!r}, line 1" in proc.stderr
