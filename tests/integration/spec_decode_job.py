@@ -1,0 +1,69 @@
+"""Runs the speculative-decoding checks in one process and prints the results as JSON.
+
+    python spec_decode_job.py '<json job>'
+
+One process, two engines one after the other on the HPU platform (CPU emulation): the same greedy
+prompts without speculation, then with the n-gram drafter; the second run also samples a few
+requests at temperature 1 in the same batch (mixed greedy/random verification). It reports both
+runs' tokens, vLLM's spec-decode counters (the metrics vLLM logs and exports) and the runner's
+recompile statistics of the speculative run.
+
+Job keys: model (path), prompts (token id lists), max_tokens, engine (LLM kwargs),
+speculative_config (LLM's speculative_config), random_prompts (how many prompts to also sample at
+temperature 1 in the speculative run).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+
+
+def _generate(llm, prompts, max_tokens, random_prompts=0):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    random = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        for i in range(random_prompts)
+    ]
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    requests += [TokensPrompt(prompt_token_ids=p) for p in prompts[:random_prompts]]
+    outs = llm.generate(requests, [greedy] * len(prompts) + random, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens[: len(prompts)], tokens[len(prompts) :]
+
+
+def _spec_metrics(llm) -> dict:
+    counters: dict = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            value = getattr(metric, "value", None)
+            counters[metric.name] = value if value is not None else list(metric.values)
+    return counters
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM
+
+    engine = {**job["engine"], "disable_log_stats": False}
+    llm = LLM(model=job["model"], **engine)
+    plain, _ = _generate(llm, job["prompts"], job["max_tokens"])
+    del llm
+    gc.collect()
+
+    llm = LLM(model=job["model"], speculative_config=job["speculative_config"], **engine)
+    spec, sampled = _generate(llm, job["prompts"], job["max_tokens"], job.get("random_prompts", 0))
+    return {
+        "plain": plain,
+        "spec": spec,
+        "sampled": sampled,
+        "metrics": _spec_metrics(llm),
+        "stats": llm.collective_rpc("get_recompile_stats")[0],
+    }
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)

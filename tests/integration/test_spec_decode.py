@@ -1,0 +1,103 @@
+"""End to end: speculative decoding with the n-gram drafter on the HPU platform (CPU emulation).
+
+One job process runs the same greedy prompts without and with speculation (see
+spec_decode_job.py). The model is the locally trained tiny Llama: its greedy output repeats
+phrases, so n-gram drafts get accepted (a random-weight model's output never repeats).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.generation import ENGINE
+from vllm_gaudi_platform import trainedmodel
+
+pytestmark = pytest.mark.engine
+
+JOB = Path(__file__).with_name("spec_decode_job.py")
+K = 3
+MAX_TOKENS = 32
+TEXTS = [
+    "for x in range(10): print(x)\nfor x in range(10): print(x)\nfor x in range(10):",
+    "The list is a list. The list is a list. The list is",
+    "def f(a, b):\n    return a + b\n\ndef g(a, b):\n    return a + b\n\ndef h(a, b):",
+    "import os\nimport sys\nimport os\nimport sys\nimport",
+    'The "x" statement',
+    "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
+]
+RANDOM_PROMPTS = 2
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    from transformers import AutoTokenizer
+
+    model = str(trainedmodel.build(progress=False))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    job = {
+        "model": model,
+        "prompts": [tokenizer(t)["input_ids"] for t in TEXTS],
+        "max_tokens": MAX_TOKENS,
+        "engine": ENGINE,
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2,
+        },
+        "random_prompts": RANDOM_PROMPTS,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(JOB), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    pytest.fail(f"speculative decoding job failed:\n{proc.stderr[-4000:]}")
+
+
+def test_greedy_tokens_with_ngram_speculation_equal_those_without(result):
+    assert result["spec"] == result["plain"]
+    assert all(len(tokens) == MAX_TOKENS for tokens in result["plain"])
+
+
+def test_drafts_are_proposed_and_accepted_and_vllm_counts_them(result):
+    metrics = result["metrics"]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert 0 < accepted <= drafted
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_position) == K and sum(per_position) == accepted
+
+
+def test_random_sampled_requests_verify_alongside_greedy_ones(result):
+    assert len(result["sampled"]) == RANDOM_PROMPTS
+    assert all(len(tokens) == MAX_TOKENS for tokens in result["sampled"])
+    vocab = trainedmodel_vocab_size()
+    assert all(0 <= t < vocab for tokens in result["sampled"] for t in tokens)
+
+
+def test_verification_steps_run_on_warmed_buckets(result):
+    stats = result["stats"]
+
+    assert stats["num_verify_buckets"] > 0
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+def trainedmodel_vocab_size() -> int:
+    config = json.loads((trainedmodel.build(progress=False) / "config.json").read_text())
+    return int(config["vocab_size"])
