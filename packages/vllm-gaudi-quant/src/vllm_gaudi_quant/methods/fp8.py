@@ -19,11 +19,13 @@ After loading, a linear holds `weight` FP8 [K, N], `weight_scale` float32 [N] an
 (0-d float32, or None for dynamic); `apply_fp8_linear` is the forward, reusable by any method
 with FP8 weights (compressed-tensors W8A8-FP8).
 
-Mixture of experts: expert weights stay FP8 [E, out, in] with one scale per output row;
-each call dequantizes the local experts with `cast_from_fp8` and runs the bf16
-`mixture_of_experts` kernel (W8A16: activation scales of MoE layers are not applied). This keeps
-the FP8 memory footprint but not the FP8 compute; Gaudi's `mixture_of_experts.fp8_fused_weights*`
-overloads are the faster path left for later.
+Mixture of experts: expert weights stay FP8 [E, out, in] with their checkpoint scales (one per
+output row, or the block scales as loaded); each call dequantizes the local experts (per row with
+`cast_from_fp8`, per block tile by tile) and runs the bf16 `mixture_of_experts` kernel (W8A16:
+activation scales of MoE layers are not applied). Block-scaled experts are therefore not
+requantized: they compute with exactly the checkpoint's weights. This keeps the FP8 memory
+footprint but not the FP8 compute; Gaudi's `mixture_of_experts.fp8_fused_weights*` overloads are
+the faster path left for later.
 
 On Gaudi 2 the E4M3 range ends at 240, not 448: checkpoint weights are scaled into that range as
 they load and their scales scaled back (`seam.fp8_max()`).
@@ -170,9 +172,9 @@ def _channel_scale_loader(rows: _ShardedRows):
     """Loads `weight_scale` per tensor (a scalar per shard, spread over its rows) or per channel
     (a vector of the shard's rows) into one float32 scale per output row."""
 
-    def load(param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def load(param: Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         offset, size = rows.span(shard_id)
-        values = loaded.float().reshape(-1) * _device_range_factor()
+        values = loaded_weight.float().reshape(-1) * _device_range_factor()
         target = param.data.narrow(0, offset, size)
         if values.numel() == 1:
             target.fill_(values.item())
@@ -185,10 +187,10 @@ def _channel_scale_loader(rows: _ShardedRows):
 def _input_scale_loader(rows: _ShardedRows):
     """Loads static `input_scale` scalars, one slot per shard (all slots for an unfused one)."""
 
-    def load(param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def load(param: Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         index = _shard_index(shard_id, len(rows.sizes))
         # In a narrower device range the same activations need a proportionally larger scale.
-        value = loaded.float().reshape(-1).max() * _device_range_factor()
+        value = loaded_weight.float().reshape(-1).max() * _device_range_factor()
         if index is None:
             param.data.fill_(value)
         else:
@@ -198,7 +200,7 @@ def _input_scale_loader(rows: _ShardedRows):
 
 
 def _block_scale_loader(rows: _ShardedRows, block: tuple[int, int], input_split: bool):
-    def load(param: Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def load(param: Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         offset, size = rows.span(shard_id)
         bn = block[0]
         if offset % bn or (shard_id is not None and size % bn):
@@ -207,7 +209,7 @@ def _block_scale_loader(rows: _ShardedRows, block: tuple[int, int], input_split:
                 f"with weight_block_size {list(block)}"
             )
         local_rows = -(-size // bn)
-        values = rows.local(loaded.float(), local_rows)
+        values = rows.local(loaded_weight.float(), local_rows)
         cols = param.shape[1]
         if input_split and values.shape[1] != cols:
             values = values.narrow(1, get_tensor_model_parallel_rank() * cols, cols)
@@ -217,8 +219,10 @@ def _block_scale_loader(rows: _ShardedRows, block: tuple[int, int], input_split:
 
 
 def _wrap_weight_loader(loader):
-    def load(param: Parameter, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return loader(param, _into_device_range(loaded), *args, **kwargs)
+    # vLLM passes the tensor by keyword `loaded_weight` (FusedMoE.load_weights calls
+    # `param.weight_loader(param=..., loaded_weight=..., ...)`), so the name must match.
+    def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return loader(param, _into_device_range(loaded_weight), *args, **kwargs)
 
     return load
 
@@ -427,7 +431,8 @@ def route_topk(
 
 
 class HpuFp8MoEMethod(FusedMoEMethodBase):
-    """FP8 experts: FP8 storage with per-row scales, dequantized per call for the bf16 kernel."""
+    """FP8 experts: FP8 storage with per-row or block scales, dequantized per call for the bf16
+    kernel."""
 
     def __init__(self, quant_config: HpuFp8Config, layer: Any) -> None:
         super().__init__(layer.moe_config)
@@ -516,25 +521,30 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
                 set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": weight_loader})
 
     def process_weights_after_loading(self, layer: Any) -> None:
+        if self.block is not None:
+            # Block scales stay as loaded ([E, rows / bn, cols / bk], already in the device's
+            # range): each call dequantizes tile by tile, exactly the checkpoint's weights.
+            return
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-        if self.block is None:
-            # Per-tensor scales per expert (and per gate/up shard) spread over the rows.
-            inter = w13.shape[1] // layer.w13_weight_scale.shape[1]
-            w13_scale = layer.w13_weight_scale.data.repeat_interleave(inter, dim=1)
-            w2_scale = layer.w2_weight_scale.data[:, None].expand(-1, w2.shape[1]).contiguous()
-            del layer.w13_weight_scale, layer.w2_weight_scale
-        else:
-            w13, w13_scale = quantize_per_channel(
-                dequantize_blocks(w13, layer.w13_weight_scale_inv.data, self.block)
-            )
-            w2, w2_scale = quantize_per_channel(
-                dequantize_blocks(w2, layer.w2_weight_scale_inv.data, self.block)
-            )
-            del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
-        layer.w13_weight = Parameter(w13, requires_grad=False)
-        layer.w2_weight = Parameter(w2, requires_grad=False)
+        # Per-tensor scales per expert (and per gate/up shard) spread over the rows.
+        inter = w13.shape[1] // layer.w13_weight_scale.shape[1]
+        w13_scale = layer.w13_weight_scale.data.repeat_interleave(inter, dim=1)
+        w2_scale = layer.w2_weight_scale.data[:, None].expand(-1, w2.shape[1]).contiguous()
+        del layer.w13_weight_scale, layer.w2_weight_scale
         layer.w13_weight_scale = Parameter(w13_scale.float(), requires_grad=False)
         layer.w2_weight_scale = Parameter(w2_scale.float(), requires_grad=False)
+
+    def _dequantized(self, layer: Any, name: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        """The local experts' `name` weights ("w13" or "w2") as float `dtype`, one per expert."""
+        weight = getattr(layer, f"{name}_weight")
+        if self.block is not None:
+            scale = getattr(layer, f"{name}_weight_scale_inv")
+            return list(dequantize_blocks(weight, scale, self.block).to(dtype).unbind(0))
+        kernels = backend()
+        scale = getattr(layer, f"{name}_weight_scale")
+        return [
+            kernels.cast_from_fp8(w, s, dtype) for w, s in zip(weight.unbind(0), scale.unbind(0))
+        ]
 
     def apply_monolithic(
         self,
@@ -543,19 +553,12 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kernels = backend()
         weights, ids = route_topk(layer, x, router_logits)
         dtype = x.dtype
-        w13 = [
-            kernels.cast_from_fp8(w, s, dtype)
-            for w, s in zip(layer.w13_weight.unbind(0), layer.w13_weight_scale.unbind(0))
-        ]
-        w2 = [
-            kernels.cast_from_fp8(w, s, dtype)
-            for w, s in zip(layer.w2_weight.unbind(0), layer.w2_weight_scale.unbind(0))
-        ]
+        w13 = self._dequantized(layer, "w13", dtype)
+        w2 = self._dequantized(layer, "w2", dtype)
         first = layer.moe_config.ep_rank * layer.local_num_experts
-        return kernels.mixture_of_experts(
+        return backend().mixture_of_experts(
             x,
             ids,
             weights.to(dtype),
@@ -575,8 +578,9 @@ def _moe_scale_loader(weight_loader):
     """vLLM's expert weight loader for scales, with checkpoint scales brought into the device's
     FP8 range (the weights were divided by the same factor)."""
 
-    def load(param: Parameter, loaded: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return weight_loader(param, loaded.float() * _device_range_factor(), *args, **kwargs)
+    def load(param: Parameter, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        scaled = loaded_weight.float() * _device_range_factor()
+        return weight_loader(param, scaled, *args, **kwargs)
 
     return load
 
