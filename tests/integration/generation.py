@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 JOB = Path(__file__).with_name("engine_job.py")
 
@@ -41,6 +42,49 @@ def make_prompts(seed: int = 0, vocab: int = 512) -> list[list[int]]:
     ]
 
 
+def run_job(
+    script: Path,
+    arg: str,
+    env: dict[str, str] | None = None,
+    *,
+    emulate: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """`python script arg` in a fresh process that inherits no VLLM_* variable from this one: the
+    HPU platform in emulation (`emulate`) or vLLM's own CPU backend with no plugin, plus `env`."""
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    if emulate:
+        run_env["VLLM_HPU_EMULATION"] = "cpu"
+    else:
+        run_env["VLLM_PLUGINS"] = ""
+    run_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(script), arg],
+        capture_output=True,
+        text=True,
+        env=run_env,
+        timeout=timeout,
+    )
+
+
+def job_output(proc: subprocess.CompletedProcess[str]) -> Any:
+    """The JSON a job printed on its first `RESULT ` line, or None if it printed none."""
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    return None
+
+
+def job_result(proc: subprocess.CompletedProcess[str], what: str) -> Any:
+    """`job_output(proc)`; fails the test with the ends of the job's output if it printed none."""
+    result = job_output(proc)
+    if result is None:
+        import pytest
+
+        pytest.fail(f"{what} printed no result:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return result
+
+
 def run_engine(
     model: str,
     prompts: list[list[int]],
@@ -60,23 +104,8 @@ def run_engine(
         "rounds": rounds,
         "stats": emulate,
     }
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    if emulate:
-        run_env["VLLM_HPU_EMULATION"] = "cpu"
-    else:
-        run_env["VLLM_PLUGINS"] = ""  # vLLM's own CPU backend, no plugin at all
-    run_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, str(JOB), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=run_env,
-        timeout=timeout,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return proc, json.loads(line[len("RESULT ") :])
-    return proc, None
+    proc = run_job(JOB, json.dumps(job), env, emulate=emulate, timeout=timeout)
+    return proc, job_output(proc)
 
 
 def hf_greedy(

@@ -4,14 +4,11 @@ outputs before sleeping. One engine process runs the whole sequence (sleep_job.p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.integration.generation import job_result, run_job
 from vllm_gaudi_platform import tinymodels
 
 pytestmark = pytest.mark.engine
@@ -21,16 +18,8 @@ JOB = Path(__file__).with_name("sleep_job.py")
 
 @pytest.fixture(scope="module")
 def run() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["VLLM_HPU_EMULATION"] = "cpu"
     model = str(tinymodels.build("llama"))
-    proc = subprocess.run(
-        [sys.executable, str(JOB), model], capture_output=True, text=True, env=env, timeout=600
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"sleep job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return job_result(run_job(JOB, model), "sleep job")
 
 
 def test_awake_worker_holds_weights_and_kv_cache(run):

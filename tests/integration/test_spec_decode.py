@@ -8,14 +8,11 @@ phrases, so n-gram drafts get accepted (a random-weight model's output never rep
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.generation import ENGINE
+from tests.integration.generation import ENGINE, job_result, run_job
 from vllm_gaudi_platform import trainedmodel
 
 pytestmark = pytest.mark.engine
@@ -53,19 +50,7 @@ def result() -> dict:
         },
         "random_prompts": RANDOM_PROMPTS,
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["VLLM_HPU_EMULATION"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(JOB), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"speculative decoding job failed:\n{proc.stderr[-4000:]}")
+    return job_result(run_job(JOB, json.dumps(job)), "speculative decoding job")
 
 
 def test_greedy_tokens_with_ngram_speculation_equal_those_without(result):

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from tests.integration.generation import job_result, run_job
 from vllm_gaudi_platform import trainedmodel
 
 pytestmark = pytest.mark.engine
@@ -55,19 +53,7 @@ def hpu(model, windows) -> dict:
             "seed": 0,
         },
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["VLLM_HPU_EMULATION"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(JOB), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"the engine job printed no result:\n{proc.stderr[-4000:]}")
+    return job_result(run_job(JOB, json.dumps(job)), "trained-model engine job")
 
 
 def test_trained_model_runs_on_the_hpu_platform(hpu):

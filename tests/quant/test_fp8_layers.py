@@ -14,11 +14,11 @@ weights are also requantized per channel at load, one more FP8 rounding of the w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from tests.integration.generation import job_result
 from tests.quant.conftest import FP8_MATMUL_TOLERANCE, FP8_WEIGHT_ONLY_TOLERANCE
 
 LAYERS_JOB = r"""
@@ -111,10 +111,7 @@ def all_results(run_python):
     proc = run_python(
         LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"layer job failed:\n{proc.stderr[-6000:]}")
+    return job_result(proc, "layer job")
 
 
 @pytest.fixture(params=["3", "2"], ids=["gaudi3", "gaudi2"])

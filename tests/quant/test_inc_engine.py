@@ -10,14 +10,19 @@ Starts engines (slow): .venv/bin/python -m pytest tests/quant
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
+from tests.integration.generation import (
+    ENGINE,
+    assert_close,
+    hf_greedy,
+    job_result,
+    make_prompts,
+    run_job,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -83,24 +88,12 @@ def _run_quantized(model: str, config: Path, **engine) -> dict:
         "max_tokens": MAX_TOKENS,
         "engine": {**ENGINE, "quantization": "inc", **engine},
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update(
-        VLLM_HPU_EMULATION="cpu",
-        QUANT_CONFIG=str(config),
+    env = {
+        "QUANT_CONFIG": str(config),
         # The job inspects the worker's layers with a function sent over collective_rpc.
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-    )
-    proc = subprocess.run(
-        [sys.executable, str(JOB), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"quantized engine failed:\n{proc.stderr[-6000:]}")
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    return job_result(run_job(JOB, json.dumps(job), env), "quantized engine")
 
 
 @pytest.fixture(scope="module")

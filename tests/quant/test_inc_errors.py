@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.integration.generation import job_result
+
 CASES_JOB = r"""
 import json, os, sys
 from vllm import LLM
@@ -68,10 +70,7 @@ def outcomes(run_python, tmp_path_factory):
         env={"VLLM_HPU_EMULATION": "cpu"},
         timeout=600,
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :]), proc.stderr
-    pytest.fail(f"error-case job failed:\n{proc.stderr[-6000:]}")
+    return job_result(proc, "error-case job"), proc.stderr
 
 
 def _error(outcomes, case):

@@ -10,9 +10,9 @@ measured).
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
 import json, os, socket, tempfile
@@ -97,10 +97,7 @@ with set_current_vllm_config(VllmConfig()):
 @pytest.fixture(scope="module")
 def layers_result(run_python, tmp_path_factory):
     proc = run_python(LAYERS_JOB, env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"layer job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return job_result(proc, "layer job")
 
 
 LAYERS = ("qkv", "o", "up", "col", "rep")

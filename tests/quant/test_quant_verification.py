@@ -9,9 +9,9 @@ Each case runs in a fresh process (vLLM resolves its platform and plugins once p
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from tests.integration.generation import job_result
 
 JOB = r"""
 import json, sys
@@ -49,10 +49,7 @@ def _run(run_python, tmp_path, env: dict[str, str]) -> dict:
         "__TMP__", f"__import__('pathlib').Path({str(tmp_path)!r})"
     )
     proc = run_python(code, env={"VLLM_HPU_EMULATION": "cpu", **env}, timeout=300)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"verification job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return job_result(proc, "verification job")
 
 
 @pytest.fixture(scope="module")

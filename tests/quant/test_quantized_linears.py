@@ -13,9 +13,9 @@ of the output <= 5%.
 
 from __future__ import annotations
 
-import json
-
 import pytest
+
+from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
 import json, socket, sys
@@ -133,10 +133,7 @@ def layers_result(run_python):
     proc = run_python(
         LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"layer job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return job_result(proc, "layer job")
 
 
 @pytest.mark.parametrize("case", INT4_CASES)

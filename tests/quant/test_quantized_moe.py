@@ -12,10 +12,11 @@ accumulation differs: atol 1e-4, rtol 1e-4 on outputs up to ~3 (about 2e-6 measu
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+
+from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
 import json, socket, sys
@@ -153,10 +154,7 @@ def moe_result(run_python):
     proc = run_python(
         LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
     )
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    pytest.fail(f"MoE layer job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return job_result(proc, "MoE layer job")
 
 
 @pytest.mark.parametrize("case", CASES)
