@@ -134,3 +134,26 @@ def test_backend_lists_the_fp8_cache_dtypes():
     from vllm_gaudi_platform.attention import HPUAttentionBackend
 
     assert {"fp8_inc", "fp8", "fp8_e4m3"} <= set(HPUAttentionBackend.supported_kv_cache_dtypes)
+
+
+def test_vllms_uint8_fp8_cache_names_become_gaudis_fp8_cache(run_python):
+    # vLLM stores "fp8"/"fp8_e4m3" as uint8 bytes; the HPU cache must be a real FP8 E4M3 tensor.
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        "from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE\n"
+        "from vllm_gaudi_platform import tinymodels\n"
+        "model = str(tinymodels.build('llama'))\n"
+        "for name in ('fp8', 'fp8_e4m3'):\n"
+        "    config = EngineArgs(model=model, kv_cache_dtype=name).create_engine_config()\n"
+        "    dtype = config.cache_config.cache_dtype\n"
+        "    print('CACHE', name, dtype, STR_DTYPE_TO_TORCH_DTYPE[dtype])\n"
+    )
+
+    result = run_python(code, {"VLLM_HPU_EMULATION": "cpu"})
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("CACHE ")]
+    assert lines == [
+        "CACHE fp8 fp8_inc torch.float8_e4m3fn",
+        "CACHE fp8_e4m3 fp8_inc torch.float8_e4m3fn",
+    ]

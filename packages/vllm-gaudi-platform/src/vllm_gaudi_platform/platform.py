@@ -34,6 +34,8 @@ COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
 DEFAULT_BLOCK_SIZE = 128
 # The attention backend's KV cache dtypes (attention.HPUAttentionBackend.supported_kv_cache_dtypes).
 HPU_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_inc", "fp8", "fp8_e4m3")
+# vLLM's names for an FP8 E4M3 cache that it stores as uint8; the platform turns them into fp8_inc.
+VLLM_UINT8_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _register_attention_backend()
 
@@ -219,6 +221,14 @@ class HpuPlatform(Platform):
                 f"{', '.join(HPU_KV_CACHE_DTYPES)} (fp8_inc, fp8 and fp8_e4m3 store the KV cache "
                 "in FP8 E4M3 with per-layer scales)."
             )
+        if cache_config.cache_dtype in VLLM_UINT8_FP8_CACHE_DTYPES:
+            # vLLM allocates these as uint8 bytes for CUDA kernels; Gaudi's cache holds FP8 E4M3
+            # as a real float8 tensor, which is what fp8_inc names.
+            logger.info(
+                "kv_cache_dtype=%r: the KV cache is stored as Gaudi's FP8 E4M3 (fp8_inc).",
+                cache_config.cache_dtype,
+            )
+            cache_config.cache_dtype = "fp8_inc"
         # A quantization method may refuse settings it cannot run, before any engine starts.
         check_quant = getattr(vllm_config.quant_config, "hpu_check_vllm_config", None)
         if check_quant is not None:
