@@ -1,13 +1,16 @@
-"""AWQ, GPTQ (with and without act-order) and compressed-tensors WNA16 mixture-of-experts layers,
-in CPU emulation: each expert's checkpoint tensors, made by the test packers, are loaded through
-vLLM's own MoE layer (`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert loader,
-repacked once, and the quantized layer must compute what a plain torch MoE computes on the
-dequantized weights (softmax top-2 routing, renormalized; SiLU-gated experts). Runs in a fresh
-process (vLLM's parallel state is process-wide); no engine.
+"""AWQ, GPTQ (with and without act-order), compressed-tensors WNA16 and compressed-tensors
+W8A8-FP8 (channel and tensor weight scales, dynamic and static activations) mixture-of-experts
+layers, in CPU emulation: each expert's checkpoint tensors, made by the test packers, are loaded
+through vLLM's own MoE layer (`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert
+loader, repacked once (4-bit) or kept FP8, and the quantized layer must compute what a plain torch
+MoE computes on the dequantized weights (softmax top-2 routing, renormalized; SiLU-gated
+experts). Runs in a fresh process (vLLM's parallel state is process-wide); no engine.
 
-Tolerance: the kernel reproduces the dequantized weights exactly in float32 (see
-test_uint4_kernel.py) and routing reads the same logits, so only the order of float32
-accumulation differs: atol 1e-4, rtol 1e-4 on outputs up to ~3 (about 2e-6 measured).
+Tolerance: the kernels reproduce the dequantized weights exactly in float32 (see
+test_uint4_kernel.py; FP8 times its scale is exact in float32) and routing reads the same logits,
+so only the order of float32 accumulation differs: atol 1e-4, rtol 1e-4 on outputs up to ~3
+(about 2e-6 measured). FP8 experts run W8A16: their activations are not quantized, so the
+reference does not quantize them either.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from vllm.distributed import init_distributed_environment, initialize_model_para
 from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
 sys.path.insert(0, __ROOT__)
+from tests.quant import fp8_packers as F8
 from tests.quant import packers as P
 from vllm_gaudi_quant.methods.awq import HpuAwqConfig
 from vllm_gaudi_quant.methods.compressed_tensors import HpuCompressedTensorsConfig
+from vllm_gaudi_quant.methods.fp8 import HpuFp8Config
 from vllm_gaudi_quant.methods.gptq import HpuGptqConfig
 
 EXPERTS, TOPK, HIDDEN, INTER = 4, 2, 128, 192
@@ -55,6 +60,40 @@ CASES = {
                          lambda w, seed: int4(w.shape[1], lambda qt: P.pack_ct_wna16(qt, sym=True),
                                               sym=True)(w, seed)),
 }
+
+def fp8(per_channel, static):
+    def make(w, seed):
+        fw = P.quantize_fp8(w, per_channel=per_channel)
+        packed = {"weight": fw.weight, "weight_scale": fw.scale}
+        if static:  # gate and up share a seed, so their input scales agree as in real checkpoints
+            packed["input_scale"] = input_scale(seed)
+        return packed, P.dequantize_fp8(fw)
+    return make
+
+def input_scale(seed):
+    return torch.tensor([0.01 * (1 + seed % 7)])
+
+for strategy in ("channel", "tensor"):
+    for activations in ("dynamic", "static"):
+        ct = P.ct_fp8_config(per_channel=strategy == "channel", dynamic=activations == "dynamic")
+        if activations == "static":  # static activations are per tensor
+            ct["config_groups"]["group_0"]["input_activations"]["strategy"] = "tensor"
+        CASES[f"ct-fp8-{strategy}-{activations}"] = (
+            HpuCompressedTensorsConfig, ct, fp8(strategy == "channel", activations == "static"))
+
+def fp8_format(scheme, block=None, static=False):
+    def make(w, seed):
+        packed = F8.quantize(w, scheme, block)
+        if static:
+            packed["input_scale"] = input_scale(seed).reshape(())
+        return packed, F8.dequantize(packed, block)
+    return make
+
+# vLLM's own fp8 format through the same method, for comparison.
+CASES["fp8-tensor-static"] = (HpuFp8Config, F8.fp8_config("static"),
+                              fp8_format("tensor", static=True))
+CASES["fp8-block"] = (HpuFp8Config, F8.fp8_config("dynamic", (64, 64)),
+                      fp8_format("block", (64, 64)))
 
 def float_weight(n, k, seed):
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
@@ -104,7 +143,17 @@ def run(name):
     with torch.no_grad():
         got = method.apply_monolithic(layer, x, logits)
         want = reference(x, logits, deq)
+    static = {}
+    if getattr(layer, "w13_input_scale", None) is not None:
+        # What each expert's checkpoint input scales were (load() seeds: 10 * e, 10 * e + 1).
+        static = {
+            "w13": [layer.w13_input_scale[e].item() for e in range(EXPERTS)],
+            "w2": [layer.w2_input_scale[e].item() for e in range(EXPERTS)],
+            "want_w13": [input_scale(10 * e).item() for e in range(EXPERTS)],
+            "want_w2": [input_scale(10 * e + 1).item() for e in range(EXPERTS)],
+        }
     return {
+        "static_input_scales": static,
         "method": type(method).__name__,
         "unloaded": sorted(created - loaded),
         "params": {n: [str(p.dtype), list(p.shape)] for n, p in layer.named_parameters()},
@@ -126,8 +175,12 @@ def mismatched_act_order():
     load(layer, make, w3_seed_offset=1)
     layer.quant_method.process_weights_after_loading(layer)
 
-def fp8_experts():
-    build(HpuCompressedTensorsConfig.from_config(P.ct_fp8_config(per_channel=True, dynamic=True)))
+def fp8_block_experts():
+    ct = P.ct_fp8_config(per_channel=True, dynamic=True)
+    group = ct["config_groups"]["group_0"]
+    group["weights"].update(strategy="block", block_structure=[64, 64])
+    group["input_activations"].update(strategy="group", group_size=64)
+    build(HpuCompressedTensorsConfig.from_config(ct))
 
 with set_current_vllm_config(VllmConfig()):
     with socket.socket() as s:
@@ -139,13 +192,19 @@ with set_current_vllm_config(VllmConfig()):
     result = {name: run(name) for name in CASES}
     result["errors"] = {
         "gptq-act-order-mismatch": error_of(mismatched_act_order),
-        "ct-fp8-experts": error_of(fp8_experts),
+        "ct-fp8-block-experts": error_of(fp8_block_experts),
     }
     print("RESULT " + json.dumps(result))
 """
 
 CASES = ("awq", "gptq-asym", "gptq-act-order", "ct-wna16-sym", "ct-wna16-asym", "ct-wna16-channel")
 METHODS = {"awq": "HpuAwqMoEMethod", "gptq": "HpuGptqMoEMethod", "ct-wna16": "HpuWNA16MoE"}
+FP8_CASES = tuple(
+    f"ct-fp8-{strategy}-{activations}"
+    for strategy in ("channel", "tensor")
+    for activations in ("dynamic", "static")
+)
+FP8_FORMAT_CASES = ("fp8-tensor-static", "fp8-block")  # vLLM's fp8 format, same MoE method
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +248,42 @@ def test_act_order_experts_whose_gate_and_up_disagree_are_refused_by_name(moe_re
     assert error is not None and "g_idx" in error and "block_sparse_moe.experts" in error
 
 
-def test_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused_naming_what_runs(moe_result):
-    error = moe_result["errors"]["ct-fp8-experts"]
-    assert error is not None and "4-bit WNA16" in error and "block_sparse_moe.experts" in error
+@pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
+def test_fp8_experts_run_the_hpu_fp8_moe_method(moe_result, case):
+    assert moe_result[case]["method"] == "HpuFp8MoEMethod"
+
+
+@pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
+def test_every_fp8_expert_tensor_of_the_checkpoint_is_loaded(moe_result, case):
+    assert moe_result[case]["unloaded"] == []
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_experts_stay_fp8_with_one_scale_per_output_row(moe_result, case):
+    params = moe_result[case]["params"]
+    hidden, inter, experts = 128, 192, 4
+    assert params["w13_weight"] == ["torch.float8_e4m3fn", [experts, 2 * inter, hidden]]
+    assert params["w2_weight"] == ["torch.float8_e4m3fn", [experts, hidden, inter]]
+    assert params["w13_weight_scale"] == ["torch.float32", [experts, 2 * inter]]
+    assert params["w2_weight_scale"] == ["torch.float32", [experts, hidden]]
+
+
+@pytest.mark.parametrize("case", [c for c in FP8_CASES + FP8_FORMAT_CASES if "static" in c])
+def test_static_input_scales_of_fp8_experts_load_per_expert(moe_result, case):
+    scales = moe_result[case]["static_input_scales"]
+    assert scales["w13"] == pytest.approx(scales["want_w13"])
+    assert scales["w2"] == pytest.approx(scales["want_w2"])
+
+
+@pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
+def test_fp8_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
+    r = moe_result[case]
+    assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
+
+
+def test_block_scaled_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused_by_name(
+    moe_result,
+):
+    error = moe_result["errors"]["ct-fp8-block-experts"]
+    assert error is not None and "block_sparse_moe.experts" in error
+    assert "block" in error.split("activations")[0].lower() and "W8A8-FP8" in error

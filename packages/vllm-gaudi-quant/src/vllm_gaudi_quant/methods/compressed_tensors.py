@@ -15,10 +15,15 @@ cache scheme); this subclass only swaps the per-layer schemes for ones that run 
 
 MoE layers (`HpuWNA16MoE`): experts in the same 4-bit WNA16 scheme load stacked per projection
 (w13 = gate and up, w2 = down), are repacked the same way and run through
-`methods.uint4.Uint4MoEMethod` (dequantize, then the bf16 mixture_of_experts kernel).
+`methods.uint4.Uint4MoEMethod` (dequantize, then the bf16 mixture_of_experts kernel). Experts
+in the W8A8-FP8 scheme (channel or tensor weight scales, static or dynamic activations) carry the
+tensor names of vLLM's `fp8` format (`w13_weight`, `w13_weight_scale` [E, 2] per tensor or
+[E, rows, 1] per channel, `w13_input_scale` [E] when static; w2 alike) and run through
+`methods.fp8.HpuFp8MoEMethod`: W8A16, FP8 weights dequantized per call, activation scales loaded
+but not applied.
 
 Any other scheme is refused when the model is built, naming the layer and what runs on HPU (FP8
-experts of compressed-tensors checkpoints among them, for now).
+experts with block weight scales among them, for now).
 
 KV cache: a checkpoint with a `kv_cache_scheme` (8-bit float, symmetric, one scale per tensor)
 stores its KV cache in FP8 with the checkpoint's k/v scales: `hpu_check_vllm_config` turns
@@ -73,6 +78,10 @@ from vllm_gaudi_quant.methods.uint4 import (
 logger = init_logger(f"vllm.{__name__}")
 
 NAME = "compressed-tensors"
+SUPPORTED_MOE = (
+    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations; run W8A16) and "
+    "4-bit WNA16 pack-quantized (group or channel, symmetric or not)"
+)
 SUPPORTED = (
     "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations) and 4-bit WNA16 "
     "pack-quantized (group or channel, symmetric or not)"
@@ -136,13 +145,24 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
                 group_size=-1 if weights.strategy == QuantizationStrategy.CHANNEL else group,
                 symmetric=bool(weights.symmetric),
             )
+        if (
+            isinstance(weights, QuantizationArgs)
+            and isinstance(inputs, QuantizationArgs)
+            and schemes[0].get("output_activations") is None
+            and _is_fp8_w8a8(weights, inputs)
+        ):
+            return fp8.HpuFp8MoEMethod(
+                layer,
+                per_channel=weights.strategy == QuantizationStrategy.CHANNEL,
+                static_input=not inputs.dynamic,
+                label=NAME,
+            )
         described = _describe(weights if isinstance(weights, QuantizationArgs) else None)
         raise ValueError(
             f"compressed-tensors checkpoint: MoE layer {prefix!r} uses a scheme HPU does not run "
             f"for experts (weights {described}, activations "
             f"{_describe(inputs if isinstance(inputs, QuantizationArgs) else None)}, format "
-            f"{format}); supported on HPU for MoE: 4-bit WNA16 pack-quantized (group or channel, "
-            "symmetric or not)."
+            f"{format}); supported on HPU for MoE: {SUPPORTED_MOE}."
         )
 
     def hpu_check_vllm_config(self, vllm_config: Any) -> None:

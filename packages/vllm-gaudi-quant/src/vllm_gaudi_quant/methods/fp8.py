@@ -25,7 +25,8 @@ output row, or the block scales as loaded); each call dequantizes the local expe
 activation scales of MoE layers are not applied). Block-scaled experts are therefore not
 requantized: they compute with exactly the checkpoint's weights. This keeps the FP8 memory
 footprint but not the FP8 compute; Gaudi's `mixture_of_experts.fp8_fused_weights*` overloads are
-the faster path left for later.
+the faster path left for later. compressed-tensors W8A8-FP8 experts (per-tensor or per-channel
+`weight_scale`) run through the same `HpuFp8MoEMethod`.
 
 On Gaudi 2 the E4M3 range ends at 240, not 448: checkpoint weights are scaled into that range as
 they load and their scales scaled back (`seam.fp8_max()`).
@@ -319,7 +320,11 @@ class HpuFp8Config(QuantizationConfig):
                 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
 
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            return HpuFp8MoEMethod(self, layer)
+            return HpuFp8MoEMethod(
+                layer,
+                block=self.weight_block_size,
+                static_input=self.activation_scheme == "static",
+            )
         return None
 
 
@@ -432,12 +437,30 @@ def route_topk(
 
 class HpuFp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts: FP8 storage with per-row or block scales, dequantized per call for the bf16
-    kernel."""
+    kernel.
 
-    def __init__(self, quant_config: HpuFp8Config, layer: Any) -> None:
+    The checkpoint's weight scales are `block` scales (`w*_weight_scale_inv`), or `w*_weight_scale`
+    per tensor (one per expert and gate/up shard, vLLM's `fp8` format and compressed-tensors'
+    `tensor` strategy) or, with `per_channel`, one per output row ([E, rows, 1], compressed-tensors'
+    `channel` strategy). `static_input` registers the `w*_input_scale` the checkpoint carries.
+    `label` names the checkpoint format in errors."""
+
+    def __init__(
+        self,
+        layer: Any,
+        *,
+        block: tuple[int, int] | None = None,
+        per_channel: bool = False,
+        static_input: bool = False,
+        label: str = NAME,
+    ) -> None:
         super().__init__(layer.moe_config)
-        self.quant_config = quant_config
-        self.block = quant_config.weight_block_size
+        if block is not None and per_channel:
+            raise ValueError(f"{label} MoE: block and per-channel weight scales exclude each other")
+        self.block = block
+        self.per_channel = per_channel
+        self.static_input = static_input
+        self.label = label
         moe = layer.moe_config
         problem = None
         if moe.activation not in _KERNEL_ACTIVATIONS:
@@ -453,8 +476,8 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             problem = f"scoring function {layer.scoring_func!r}"
         if problem is not None:
             raise ValueError(
-                f"fp8 MoE on HPU does not support {problem} yet; this model's FP8 checkpoint "
-                "cannot be served by vllm-gaudi-quant."
+                f"{label} MoE on HPU does not support {problem} yet; this model's FP8 "
+                "checkpoint cannot be served by vllm-gaudi-quant."
             )
         self.kernel_activation = _KERNEL_ACTIVATIONS[moe.activation]
 
@@ -490,7 +513,13 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             set_weight_attrs(param, attrs)
 
         scale_loader = _moe_scale_loader(weight_loader)
-        if self.block is None:
+        if self.per_channel:
+            # One scale per output row of each expert, as compressed-tensors stores them.
+            kind = FusedMoeWeightScaleSupported.CHANNEL.value
+            w13_scale = torch.ones(num_experts, shards * inter, 1)
+            w2_scale = torch.ones(num_experts, hidden_size, 1)
+            suffix = "weight_scale"
+        elif self.block is None:
             kind = FusedMoeWeightScaleSupported.TENSOR.value
             w13_scale = torch.ones(num_experts, shards)
             w2_scale = torch.ones(num_experts)
@@ -499,8 +528,8 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             bn, bk = self.block
             if inter % bn or hidden_size % bn:
                 raise ValueError(
-                    f"fp8 MoE checkpoint: weight_block_size {list(self.block)} does not divide "
-                    f"the expert sizes (intermediate {inter}, hidden {hidden_size})."
+                    f"{self.label} MoE checkpoint: weight_block_size {list(self.block)} does not "
+                    f"divide the expert sizes (intermediate {inter}, hidden {hidden_size})."
                 )
             kind = FusedMoeWeightScaleSupported.BLOCK.value
             w13_scale = torch.ones(num_experts, shards * inter // bn, -(-hidden_size // bk))
@@ -514,7 +543,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             )
         # Static activation scales load (checkpoints carry them) but the bf16 kernel does not
         # use them: see the module docstring.
-        if self.quant_config.activation_scheme == "static":
+        if self.static_input:
             for name in ("w13_input_scale", "w2_input_scale"):
                 param = Parameter(torch.ones(num_experts), requires_grad=False)
                 layer.register_parameter(name, param)
@@ -526,10 +555,15 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             # range): each call dequantizes tile by tile, exactly the checkpoint's weights.
             return
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
-        # Per-tensor scales per expert (and per gate/up shard) spread over the rows.
-        inter = w13.shape[1] // layer.w13_weight_scale.shape[1]
-        w13_scale = layer.w13_weight_scale.data.repeat_interleave(inter, dim=1)
-        w2_scale = layer.w2_weight_scale.data[:, None].expand(-1, w2.shape[1]).contiguous()
+        if self.per_channel:
+            # [E, rows, 1] -> [E, rows]: already one scale per row.
+            w13_scale = layer.w13_weight_scale.data.reshape(w13.shape[0], -1)
+            w2_scale = layer.w2_weight_scale.data.reshape(w2.shape[0], -1)
+        else:
+            # Per-tensor scales per expert (and per gate/up shard) spread over the rows.
+            inter = w13.shape[1] // layer.w13_weight_scale.shape[1]
+            w13_scale = layer.w13_weight_scale.data.repeat_interleave(inter, dim=1)
+            w2_scale = layer.w2_weight_scale.data[:, None].expand(-1, w2.shape[1]).contiguous()
         del layer.w13_weight_scale, layer.w2_weight_scale
         layer.w13_weight_scale = Parameter(w13_scale.float(), requires_grad=False)
         layer.w2_weight_scale = Parameter(w2_scale.float(), requires_grad=False)
