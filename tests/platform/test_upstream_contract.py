@@ -71,6 +71,7 @@ class Upstream:
 
 
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 ROTARY = "vllm.model_executor.layers.rotary_embedding"
 
 UPSTREAM: tuple[Upstream, ...] = (
@@ -289,7 +290,75 @@ UPSTREAM: tuple[Upstream, ...] = (
         "NixlBaseConnectorScheduler._nixl_handshake_listener",
         "HpuNixlConnector's port check mirrors this bind (ZeroMQ ROUTER on host:port)",
         params=("encoded_data", "ready_event", "stop_event", "host", "port"),
-        mentions=("ROUTER",),
+        mentions=("ROUTER", "GET_META_MSG"),
+    ),
+    Upstream(
+        f"{NIXL}.connector:NixlPullConnector.__init__",
+        "HpuNixlConnector.__init__ creates what this does, with HpuNixlConnectorWorker",
+        params=("vllm_config", "role", "kv_cache_config"),
+        mentions=("NixlPullConnectorScheduler", "NixlPullConnectorWorker"),
+    ),
+    Upstream(
+        f"{NIXL}.metadata:compute_nixl_compatibility_hash",
+        "HpuNixlConnector's handshake compares these factors by name (HASHED_FIELDS)",
+        mentions=(
+            "vllm_version",
+            "NIXL_CONNECTOR_VERSION",
+            "get_total_num_kv_heads",
+            "get_head_size",
+            "get_total_num_hidden_layers",
+            "attn_backend_name",
+            "cache_dtype",
+            "disable_hybrid_kv_cache_manager",
+            "transfer_mode",
+        ),
+    ),
+    Upstream(f"{NIXL}.metadata:GET_META_MSG", "HpuNixlConnectorWorker's field query"),
+    Upstream(f"{NIXL}.metadata:NIXL_CONNECTOR_VERSION", "HpuNixlConnector's compatibility fields"),
+    Upstream(
+        f"{NIXL}.metadata:NixlHandshakePayload",
+        "HpuNixlHandshakePayload extends it with the compatibility fields",
+        params=("compatibility_hash", "agent_metadata_bytes"),
+    ),
+    Upstream(
+        f"{NIXL}.utils:zmq_ctx",
+        "HpuNixlConnectorWorker queries the remote side channel with it",
+        params=("socket_type", "addr"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker._nixl_handshake",
+        "HpuNixlConnectorWorker compares the compatibility fields before this handshake",
+        params=(
+            "host",
+            "port",
+            "remote_tp_size",
+            "expected_engine_id",
+            "remote_dcp_size",
+            "remote_pp_size",
+            "notif_agents_only",
+        ),
+        mentions=("GET_META_MSG", "RCVTIMEO", "compat_hash", "enforce_compat_hash"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.register_kv_caches",
+        "HpuNixlConnectorWorker wraps the payload this sets; reads the block size, backend name",
+        mentions=("transfer_topo", "compat_hash", "backend_name", "block_size"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.__init__",
+        "HpuNixlConnectorWorker reads these attributes",
+        mentions=(
+            "xfer_handshake_metadata",
+            "enforce_compat_hash",
+            "use_host_buffer",
+            "vllm_config",
+        ),
+    ),
+    Upstream(f"{NIXL}.base_worker:NixlBaseConnectorWorker._TRANSFER_MODE", "the compat fields"),
+    Upstream(
+        "vllm.distributed.kv_transfer.kv_connector.utils:TransferTopology.handshake_target_ranks",
+        "HpuNixlConnectorWorker asks the remote rank vLLM's handshake asks first",
+        params=("remote_tp_size", "remote_dcp_size"),
     ),
 )
 
@@ -356,6 +425,12 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
     Overriding(
         f"{P}.attention:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
+    ),
+    Overriding("vllm_gaudi_connectors.nixl:HpuNixlConnector", f"{NIXL}.connector:NixlConnector"),
+    Overriding(
+        "vllm_gaudi_connectors.nixl:HpuNixlConnectorWorker",
+        f"{NIXL}.pull_worker:NixlPullConnectorWorker",
+        frozenset({"_check_remote_compatibility"}),
     ),
 )
 

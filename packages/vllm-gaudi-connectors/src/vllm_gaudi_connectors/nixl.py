@@ -15,18 +15,44 @@ overrides only what differs on HPU:
   index) in a listener thread of the engine process; when the port is taken that thread dies and
   the engine waits for it forever. The scheduler side checks the port first and refuses to start,
   naming the variable.
+- the handshake's compatibility check: vLLM compares one hash of its compatibility factors
+  (vLLM and connector version, model, dtype, KV heads, head size, layers, attention backend, KV
+  cache dtype, hybrid KV manager, transfer mode) and, on a mismatch, names two hashes; with host
+  staging it stops at a different block size on a bare assert. Our handshake payload carries the
+  factors themselves (and the block size), and the decode side compares them before vLLM's check,
+  so the error names each differing field with both values.
 
 Start instances with `--kv-transfer-config '{"kv_connector": "HpuNixlConnector", ...}'`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    GET_META_MSG,
+    NIXL_CONNECTOR_VERSION,
+    NixlHandshakePayload,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
 from vllm.logger import init_logger
+from vllm.utils.network_utils import make_zmq_path
 
 from vllm_gaudi_platform import envs
 
@@ -82,6 +108,155 @@ def check_side_channel_port(host: str, port: int) -> None:
             ) from exc
 
 
+# Factors vLLM's compatibility hash covers (metadata.compute_nixl_compatibility_hash), by name.
+HASHED_FIELDS = (
+    "vllm_version",
+    "nixl_connector_version",
+    "model",
+    "dtype",
+    "num_kv_heads",
+    "head_size",
+    "num_hidden_layers",
+    "attn_backend_name",
+    "cache_dtype",
+    "is_hma_enabled",
+    "transfer_mode",
+)
+# Not hashed by vLLM: it moves KV between different block sizes when NIXL reads the KV cache
+# itself (Gaudi device to device, and CPU emulation, whose cache is host memory), but not through
+# host staging buffers (kv_buffer_device "cpu" on a Gaudi), where it stops on a bare assert.
+BLOCK_SIZE_FIELD = "block_size"
+HANDSHAKE_TIMEOUT_MS = 5000  # as vLLM's own handshake query
+
+
+def compatibility_fields(
+    vllm_config: VllmConfig, attn_backend_name: str, block_size: int, transfer_mode: str
+) -> dict[str, str]:
+    """The values two instances must share to exchange KV blocks, as strings by field name."""
+    from vllm import __version__ as vllm_version
+
+    model_config = vllm_config.model_config
+    return {
+        "vllm_version": vllm_version,
+        "nixl_connector_version": str(NIXL_CONNECTOR_VERSION),
+        "model": str(model_config.model),
+        "dtype": str(model_config.dtype),
+        "num_kv_heads": str(model_config.get_total_num_kv_heads()),
+        "head_size": str(model_config.get_head_size()),
+        "num_hidden_layers": str(model_config.get_total_num_hidden_layers()),
+        "attn_backend_name": attn_backend_name,
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "is_hma_enabled": str(not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager),
+        "transfer_mode": transfer_mode,
+        BLOCK_SIZE_FIELD: str(block_size),
+    }
+
+
+def compatibility_differences(
+    local: Mapping[str, str], remote: Mapping[str, str], fields: tuple[str, ...]
+) -> list[str]:
+    """One "field: local X, remote Y" entry per field of `fields` whose values differ (a field one
+    side does not report is not compared)."""
+    return [
+        f"{name}: local {local[name]}, remote {remote[name]}"
+        for name in fields
+        if name in local and name in remote and local[name] != remote[name]
+    ]
+
+
+def check_handshake_compatibility(
+    local: Mapping[str, str], remote: Mapping[str, str], fields: tuple[str, ...], remote_at: str
+) -> None:
+    """Refuse a handshake whose remote instance differs in one of `fields`, naming both values."""
+    differences = compatibility_differences(local, remote, fields)
+    if differences:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME}: NIXL handshake with {remote_at} refused, the two instances' KV "
+            f"caches are incompatible: {'; '.join(differences)}. Start the prefill and decode "
+            "instances with the same values."
+        )
+
+
+@dataclasses.dataclass
+class HpuNixlHandshakePayload(NixlHandshakePayload):
+    """vLLM's handshake payload plus the compatibility fields themselves. vLLM's decoder ignores
+    the extra field, so a plain NixlConnector peer still reads it."""
+
+    compatibility_fields: dict[str, str] | None = None
+
+
+class HpuNixlConnectorWorker(NixlPullConnectorWorker):
+    """vLLM's pull worker whose handshake names each incompatible field with both values."""
+
+    xfer_handshake_metadata: NixlHandshakePayload | None
+    compatibility_fields: dict[str, str]
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        payload = self.xfer_handshake_metadata
+        assert payload is not None
+        self.compatibility_fields = compatibility_fields(
+            self.vllm_config, self.backend_name, self.block_size, self._TRANSFER_MODE
+        )
+        self.xfer_handshake_metadata = HpuNixlHandshakePayload(
+            compatibility_hash=payload.compatibility_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes,
+            compatibility_fields=self.compatibility_fields,
+        )
+
+    def _nixl_handshake(
+        self,
+        host: str,
+        port: int,
+        remote_tp_size: int,
+        expected_engine_id: str,
+        remote_dcp_size: int = 1,
+        remote_pp_size: int = 1,
+        notif_agents_only: bool = False,
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        self._check_remote_compatibility(host, port, remote_tp_size, remote_dcp_size)
+        return super()._nixl_handshake(
+            host,
+            port,
+            remote_tp_size,
+            expected_engine_id,
+            remote_dcp_size,
+            remote_pp_size,
+            notif_agents_only,
+        )
+
+    def _check_remote_compatibility(
+        self, host: str, port: int, remote_tp_size: int, remote_dcp_size: int
+    ) -> None:
+        """Ask the remote side channel for its payload (one more round trip per remote engine,
+        on vLLM's protocol) and compare the fields before vLLM compares the hashes."""
+        assert self.transfer_topo is not None
+        remote_rank = self.transfer_topo.handshake_target_ranks(remote_tp_size, remote_dcp_size)[0]
+        with zmq_ctx(zmq.REQ, make_zmq_path("tcp", host, port)) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
+            sock.send(msgspec.msgpack.encode((GET_META_MSG, 0, remote_rank)))
+            reply = sock.recv_multipart()
+        remote = msgspec.msgpack.Decoder(HpuNixlHandshakePayload).decode(reply[0])
+        logger.debug(
+            "NIXL handshake with %s:%s: local fields %s, remote fields %s",
+            host,
+            port,
+            self.compatibility_fields,
+            remote.compatibility_fields,
+        )
+        if remote.compatibility_fields is None:
+            return  # a peer without HpuNixlConnector: vLLM's hash check alone decides
+        fields: tuple[str, ...] = HASHED_FIELDS if self.enforce_compat_hash else ()
+        if self.use_host_buffer:
+            fields += (BLOCK_SIZE_FIELD,)
+        check_handshake_compatibility(
+            self.compatibility_fields,
+            remote.compatibility_fields,
+            fields,
+            remote_at=f"the instance at {host}:{port}",
+        )
+
+
 class HpuNixlConnector(NixlConnector):
     """vLLM's NIXL connector with the HPU KV-cache layout and transfer-buffer checks."""
 
@@ -104,7 +279,19 @@ class HpuNixlConnector(NixlConnector):
                 vllm_envs.VLLM_NIXL_SIDE_CHANNEL_PORT
                 + vllm_config.parallel_config.data_parallel_index,
             )
-        super().__init__(vllm_config, role, kv_cache_config)
+        # NixlConnector.__init__ (vLLM's pull connector) creates its scheduler or worker; this
+        # does the same with our worker class (the drift guard checks it still creates these).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPullConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = HpuNixlConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
