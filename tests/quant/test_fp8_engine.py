@@ -7,7 +7,6 @@ in `ignored_layers`, stays float), and generate greedily what transformers gener
 dequantized float model (vLLM's top-5 rule at a divergence).
 
 All engines run one after the other in ONE process (quant_job.py).
-Run under the engine lock: flock /tmp/vllm-engine.lock .venv/bin/python -m pytest tests/quant
 """
 
 from __future__ import annotations
