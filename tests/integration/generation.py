@@ -75,6 +75,16 @@ def job_output(proc: subprocess.CompletedProcess[str]) -> Any:
     return None
 
 
+def named_job_outputs(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """What a job that runs several cases printed, one `RESULT <name> <json>` line per case."""
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            name, _, payload = line[len("RESULT ") :].partition(" ")
+            results[name] = json.loads(payload)
+    return results
+
+
 def job_result(proc: subprocess.CompletedProcess[str], what: str) -> Any:
     """`job_output(proc)`; fails the test with the ends of the job's output if it printed none."""
     result = job_output(proc)

@@ -12,14 +12,18 @@ All engines run one after the other in ONE process (quant_job.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
+from tests.integration.generation import (
+    ENGINE,
+    assert_close,
+    hf_greedy,
+    make_prompts,
+    named_job_outputs,
+    run_job,
+)
 from tests.quant import fp8_checkpoints
 
 pytestmark = pytest.mark.engine
@@ -44,22 +48,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict]]]:
         "max_tokens": MAX_TOKENS,
         "engine": ENGINE,
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env.update(
-        VLLM_HPU_EMULATION="cpu", VLLM_ALLOW_INSECURE_SERIALIZATION="1", VLLM_CPU_KVCACHE_SPACE="1"
-    )
-    proc = subprocess.run(
-        [sys.executable, str(JOB), json.dumps(job)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300 * len(dirs),
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            name, _, payload = line[len("RESULT ") :].partition(" ")
-            results[name] = json.loads(payload)
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = run_job(JOB, json.dumps(job), env, timeout=300 * len(dirs))
+    results = named_job_outputs(proc)
     return {
         name: (
             results.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"}),
