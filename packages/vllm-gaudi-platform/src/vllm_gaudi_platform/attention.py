@@ -8,11 +8,22 @@ Every step is split by the runner into a prefill part and a decode part (see `st
 each padded to a warmed bucket, so every tensor shape below depends only on the bucket:
 
 - prefill: the query tokens are laid out on a `[rows, query_bucket]` grid; each row sees its
-  sequences' cached context (gathered from `ctx_bucket` blocks) and its own new tokens, through
-  one fused SDPA call with a boolean mask (causal, per-sequence, padding-aware);
+  sequences' cached context (gathered from `ctx_bucket` blocks) and its own new tokens. Rows of
+  one sequence each, without cached context, window or soft-cap, take the fused SDPA's causal
+  mode with valid lengths: no mask tensor. Every other prefill attends in slices of
+  `VLLM_PREFILL_QUERY_SLICE` queries, each slice with its own boolean mask (causal,
+  per-sequence, padding-aware, windowed) built from per-token positions, so mask and score
+  memory grow linearly with the prompt. A windowed layer gathers only the context blocks that
+  can be inside its window (a count fixed by the bucket and the window);
 - decode: one query per sequence against a flat list of `num_blocks_bucket` blocks, each block
   tagged with the sequence it belongs to and how many of its slots are used; softmax across a
-  sequence's blocks is done with scatter reductions, in plain torch.
+  sequence's blocks is done with scatter reductions, in plain torch. A windowed layer first
+  keeps only the blocks that reach into the window, again a count fixed by the bucket and the
+  window.
+
+A step whose prefill row packs several sequences (`HPUAttentionMetadata.prefill_packed`) takes
+the sliced path with every context block, whatever the layer: a graph captured for a bucket must
+be captured separately for its packed and its one-sequence-per-row variants.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform import envs, step_layout
 from vllm_gaudi_platform.platform import HPU_KV_CACHE_DTYPES
 from vllm_gaudi_platform.seam import backend as seam_backend
 
@@ -82,42 +93,135 @@ class HPUAttentionMetadata:
     identity_layout: bool = False  # cells already in token order: no reordering needed
     # prefill part (None when the step has none)
     prefill_ctx_blocks: torch.Tensor | None = None  # [rows, ctx_bucket] block ids
-    prefill_mask: torch.Tensor | None = None  # [rows, 1, q_bucket, ctx_bucket*bs + q_bucket]
+    # Owner of each query cell / key column: the request index; -2 for unused context slots; a
+    # padding query cell and its own key column share a unique negative id (it sees only itself).
+    prefill_q_seq: torch.Tensor | None = None  # [rows, q_bucket]
+    prefill_k_seq: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
+    # Per context block slot: owner's first new position minus the block's last position (huge
+    # for unused slots). A window w reaches into the block iff this is below w.
+    prefill_ctx_lag: torch.Tensor | None = None  # [rows, ctx_bucket]
+    prefill_valid_lens: torch.Tensor | None = None  # [rows] new tokens per row (>= 1)
+    # Some row holds more than one sequence: the causal fast path and window narrowing are off.
+    prefill_packed: bool = False
     # decode part (None when the step has none)
     decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
     decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
     decode_block_bias: torch.Tensor | None = None  # [num_blocks_bucket, block_size] 0 / -inf
-    # Absolute positions, for layers with a sliding window (masks built per window on first use)
+    # Absolute positions (masks are built per slice, per window, from these)
     prefill_q_pos: torch.Tensor | None = None  # [rows, q_bucket]
     prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
     decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
     decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
     _windowed: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
 
-    def prefill_mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The prefill mask, narrowed to keys less than `window` positions behind each query."""
-        if window is None or self.prefill_mask is None:
-            return self.prefill_mask
+    def prefill_causal_only(self) -> bool:
+        """True when plain causal attention over each row's own new tokens is the whole mask:
+        one sequence per row and no context in the bucket."""
+        p = self.layout.prefill
+        return p is not None and p.ctx_bucket == 0 and not self.prefill_packed
+
+    def prefill_keys_for(
+        self, window: int | None, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Context blocks to gather, and owner and position of every key column (context then
+        new tokens), for a layer with `window` (None: every context block).
+
+        With a window and one sequence per row, only `window_blocks(window, block_size)` blocks
+        per row are gathered (fewer when the bucket has fewer): the last blocks of the row's
+        sequence that reach into the window of its first new token. Which blocks depends on the
+        data; how many does not.
+        """
+        assert self.prefill_ctx_blocks is not None and self.prefill_k_seq is not None
+        assert self.prefill_k_pos is not None and self.prefill_ctx_lag is not None
+        blocks, k_seq, k_pos = self.prefill_ctx_blocks, self.prefill_k_seq, self.prefill_k_pos
+        cb = blocks.shape[1]
+        if window is None or self.prefill_packed:
+            return blocks, k_seq, k_pos
+        keep = min(cb, window_blocks(window, block_size))
+        if keep == cb:
+            return blocks, k_seq, k_pos
         key = ("prefill", window)
         if key not in self._windowed:
-            assert self.prefill_q_pos is not None and self.prefill_k_pos is not None
-            near = self.prefill_q_pos[:, :, None] - self.prefill_k_pos[:, None, :] < window
-            self._windowed[key] = self.prefill_mask & near[:, None]
+            # A row's sequence owns slots [0, n); the blocks wholly behind the window are a prefix
+            # of those. Start after that prefix, moved left so the slice stays inside the bucket.
+            lag = self.prefill_ctx_lag
+            behind = ((lag >= window) & (lag < _UNUSED_LAG)).sum(dim=1)
+            start = behind.clamp(max=cb - keep)
+            slots = start[:, None] + torch.arange(keep, device=blocks.device)  # [rows, keep]
+            chosen = blocks.gather(1, slots)
+            cols = slots[:, :, None] * block_size + torch.arange(block_size, device=blocks.device)
+            cols = cols.reshape(blocks.shape[0], keep * block_size)
+            new = slice(cb * block_size, None)
+            sel_seq = torch.cat([k_seq.gather(1, cols), k_seq[:, new]], dim=1)
+            sel_pos = torch.cat([k_pos.gather(1, cols), k_pos[:, new]], dim=1)
+            self._windowed[key] = (chosen, sel_seq, sel_pos)
         return self._windowed[key]
 
-    def decode_bias_for(self, window: int | None) -> torch.Tensor | None:
-        """The decode slot bias with -inf also on slots `window` or more positions behind."""
-        if window is None or self.decode_block_bias is None:
-            return self.decode_block_bias
+    def prefill_slice_mask(
+        self, q0: int, q1: int, k_seq: torch.Tensor, k_pos: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the given key
+        columns: same owner, not in the future, and (with a window) fewer than `window`
+        positions behind."""
+        assert self.prefill_q_seq is not None and self.prefill_q_pos is not None
+        q_seq = self.prefill_q_seq[:, q0:q1, None]
+        q_pos = self.prefill_q_pos[:, q0:q1, None]
+        k_pos = k_pos[:, None, :]
+        mask = (q_seq == k_seq[:, None, :]) & (k_pos <= q_pos)
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        return mask[:, None]
+
+    def decode_blocks_for(
+        self, window: int | None, batch_bucket: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block list, block groups and slot bias of the decode part for a layer with `window`.
+
+        With a window, blocks wholly behind it are dropped: the list keeps
+        `batch_bucket * window_blocks(window, block_size)` entries (or the bucket's count if
+        smaller), the blocks that reach into some sequence's window first, padding after; the
+        slot bias is -inf also on slots `window` or more positions behind the query.
+        """
+        blocks, groups, bias = (
+            self.decode_block_list,
+            self.decode_block_groups,
+            self.decode_block_bias,
+        )
+        assert blocks is not None and groups is not None and bias is not None
+        if window is None:
+            return blocks, groups, bias
         key = ("decode", window)
         if key not in self._windowed:
             assert self.decode_block_start is not None and self.decode_query_pos is not None
-            block_size = self.decode_block_bias.shape[1]
-            slot = torch.arange(block_size, device=self.decode_block_bias.device)
+            nb, block_size = bias.shape
+            slot = torch.arange(block_size, device=bias.device)
             pos = self.decode_block_start[:, None] + slot[None, :]
             far = self.decode_query_pos[:, None] - pos >= window
-            self._windowed[key] = self.decode_block_bias.masked_fill(far, float("-inf"))
+            bias = bias.masked_fill(far, float("-inf"))
+            keep = min(nb, batch_bucket * window_blocks(window, block_size))
+            if keep < nb:
+                # A block reaches into the window iff some used slot is not behind it; each
+                # sequence has at most window_blocks such blocks, so `keep` holds them all.
+                # Stable order puts them first; the rest of the kept entries are padding or
+                # blocks whose slots the bias masks anyway.
+                inside = (bias > float("-inf")).any(dim=1) & (groups < batch_bucket)
+                order = torch.argsort((~inside).to(torch.int8), stable=True)[:keep]
+                blocks, groups, bias = blocks[order], groups[order], bias[order]
+                # Padding entries that survive the cut: no group, every slot masked.
+                pad = ~inside[order]
+                groups = groups.masked_fill(pad, batch_bucket)
+                bias = bias.masked_fill(pad[:, None], float("-inf"))
+            self._windowed[key] = (blocks, groups, bias)
         return self._windowed[key]
+
+
+_UNUSED_LAG = 1 << 40  # prefill_ctx_lag of context slots no sequence uses
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Most blocks a window of `window` positions can touch: the `window - 1` positions before a
+    query plus the query's own, at any offset inside a block."""
+    return -(-(window - 1) // block_size) + 1
 
 
 class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
@@ -216,9 +320,9 @@ def build_metadata(
 
         # Context blocks: row r holds its members' blocks back to back.
         ctx_blocks = np.zeros((rows, max(cb, 0)), dtype=np.int64)
+        m_rep = np.repeat(np.arange(len(members)), n_blk)
+        j = np.arange(m_rep.size) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
         if n_blk.sum():
-            m_rep = np.repeat(np.arange(len(members)), n_blk)
-            j = np.arange(m_rep.size) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
             ctx_blocks[row_of[m_rep], blk[m_rep] + j] = table[members[m_rep], j]
 
         # Owner (-1: padding) and absolute position of every query cell and key slot.
@@ -239,18 +343,29 @@ def build_metadata(
         k_seq[row_of[c_rep], blk[c_rep] * block_size + c_off] = members[c_rep]
         k_pos[row_of[c_rep], blk[c_rep] * block_size + c_off] = c_off
 
-        q_seq_t, k_seq_t = torch.from_numpy(q_seq), torch.from_numpy(k_seq)
-        q_pos_t, k_pos_t = torch.from_numpy(q_pos), torch.from_numpy(k_pos)
-        mask = (q_seq_t[:, :, None] == k_seq_t[:, None, :]) & (
-            k_pos_t[:, None, :] <= q_pos_t[:, :, None]
-        )
-        # Padding queries attend to their own (padding) key only: finite, and never read.
-        pad = np.nonzero(q_seq < 0)
-        mask[pad[0], pad[1], cb * block_size + pad[1]] = True
+        # Padding queries attend to their own (padding) key only: finite, and never read. A
+        # per-column negative id shared by the cell and its key column says so in the mask.
+        pad_r, pad_c = np.nonzero(q_seq < 0)
+        q_seq[pad_r, pad_c] = -3 - pad_c
+        k_seq[pad_r, cb * block_size + pad_c] = -3 - pad_c
+
+        # Lag of each context block: first new position of its owner minus its last position.
+        lag = np.full((rows, max(cb, 0)), _UNUSED_LAG, dtype=np.int64)
+        if n_blk.sum():
+            last = np.minimum((j + 1) * block_size, c[m_rep]) - 1
+            lag[row_of[m_rep], blk[m_rep] + j] = c[m_rep] - last
+        valid = np.full(rows, qb, dtype=np.int64)  # padding rows: any length >= 1 stays finite
+        valid[row_of] = 0
+        np.add.at(valid, row_of, q)
+
+        md.prefill_packed = any(len(row) > 1 for row in prefill.row_members)
         md.prefill_ctx_blocks = torch.from_numpy(ctx_blocks).to(device)
-        md.prefill_mask = mask[:, None].to(device)
-        md.prefill_q_pos = q_pos_t.to(device)
-        md.prefill_k_pos = k_pos_t.to(device)
+        md.prefill_q_seq = torch.from_numpy(q_seq).to(device)
+        md.prefill_k_seq = torch.from_numpy(k_seq).to(device)
+        md.prefill_q_pos = torch.from_numpy(q_pos).to(device)
+        md.prefill_k_pos = torch.from_numpy(k_pos).to(device)
+        md.prefill_ctx_lag = torch.from_numpy(lag).to(device)
+        md.prefill_valid_lens = torch.from_numpy(valid).to(device)
 
     decode = layout.decode
     if decode is not None:
@@ -370,6 +485,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         self.fp8_cache = kv_cache_dtype.startswith("fp8")
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.seam = seam_backend()
+        self.query_slice = envs.prefill_query_slice()  # query tokens per prefill slice
 
     def forward(
         self,
@@ -465,15 +581,30 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
 
     def _prefill(self, q, k_new, v_new, blocks_view, block_size, md, layer=None):
         p = md.layout.prefill
-        rows, qb, cb = p.rows, p.query_bucket, p.ctx_bucket
+        rows, qb = p.rows, p.query_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
-        q = q.view(rows, qb, h, d)
+        window, cap = self.sliding_window, self.logits_soft_cap
+        q = q.view(rows, qb, h, d).transpose(1, 2)
         k = k_new.reshape(rows, qb, hk, d)
         v = v_new.reshape(rows, qb, hk, d)
-        if cb:
+        if window is None and cap is None and md.prefill_causal_only():
+            # Causal over the row's own tokens: the kernel needs no mask, only each row's length.
+            out = self.seam.fused_sdpa(
+                q,
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                valid_sequence_lengths=md.prefill_valid_lens,
+                padding_side="right",
+            )
+            return out.transpose(1, 2).reshape(rows * qb, h, d)
+        blocks, k_seq, k_pos = md.prefill_keys_for(window, block_size)
+        n_ctx = blocks.shape[1] * block_size
+        if n_ctx:
             # One gather of whole blocks (keys and values together), then split.
-            ctx = blocks_view.index_select(0, md.prefill_ctx_blocks.view(-1))
-            ctx = ctx.view(rows, cb * block_size, hk, 2 * d)
+            ctx = blocks_view.index_select(0, blocks.reshape(-1))
+            ctx = ctx.view(rows, n_ctx, hk, 2 * d)
             if self.fp8_cache:
                 k_ctx, v_ctx = self._dequantize_kv(layer, ctx, q.dtype)
             else:
@@ -481,19 +612,30 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 k_ctx, v_ctx = ctx[..., :d], ctx[..., d:]
             k = torch.cat([k_ctx, k], dim=1)
             v = torch.cat([v_ctx, v], dim=1)
-        mask = md.prefill_mask_for(self.sliding_window)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.logits_soft_cap is None:
-            out = self.seam.fused_sdpa(q, k, v, attn_mask=mask, scale=self.scale)
-        else:
-            out = _softcapped_attention(q, k, v, mask, self.scale, self.logits_soft_cap)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        out = torch.empty_like(q)
+        # Slices of the query bucket (counts and sizes fixed by the bucket): a slice's mask and
+        # scores are [rows, heads, slice, keys]. New-token keys after a slice's last column are in
+        # every query's future, so each slice reads keys up to its own end only.
+        step = self.query_slice
+        for q0 in range(0, qb, step):
+            q1 = min(q0 + step, qb)
+            keys = n_ctx + q1
+            mask = md.prefill_slice_mask(q0, q1, k_seq[:, :keys], k_pos[:, :keys], window)
+            qs, ks, vs = q[:, :, q0:q1], k[:, :, :keys], v[:, :, :keys]
+            if cap is None:
+                out[:, :, q0:q1] = self.seam.fused_sdpa(
+                    qs, ks, vs, attn_mask=mask, scale=self.scale
+                )
+            else:
+                out[:, :, q0:q1] = _softcapped_attention(qs, ks, vs, mask, self.scale, cap)
         return out.transpose(1, 2).reshape(rows * qb, h, d)
 
     def _decode(self, q, blocks_view, block_size, md, layer=None):
         bsz = md.layout.decode.batch_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
         g = h // hk
-        blocks, groups = md.decode_block_list, md.decode_block_groups
+        blocks, groups, bias = md.decode_blocks_for(self.sliding_window, bsz)
         nb = blocks.numel()
         # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
         kv = _workspace("decode_kv", (nb, *blocks_view.shape[1:]), blocks_view.dtype, q.device)
@@ -516,7 +658,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if self.logits_soft_cap is not None:
             cap = self.logits_soft_cap
             scores.div_(cap).tanh_().mul_(cap)
-        scores += md.decode_bias_for(self.sliding_window)[:, None, :]  # unused slots: -inf
+        scores += bias[:, None, :]  # unused slots (and, windowed, slots behind): -inf
         # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
         block_max = scores.amax(dim=-1)  # [hk, nb, g]
         seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=q.device)

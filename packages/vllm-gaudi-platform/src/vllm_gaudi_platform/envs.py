@@ -86,6 +86,13 @@ VLLM_GRAPH_RESERVED_MEM = _declare(
     "Share (0..1) of the usable device memory kept back for captured graphs, not KV cache.",
     kind="float",
 )
+VLLM_PREFILL_QUERY_SLICE = _declare(
+    "VLLM_PREFILL_QUERY_SLICE",
+    "1024",
+    "Prefill attention with cached context, a sliding window or soft-capping runs in slices of "
+    "this many query tokens, so its mask and scores grow linearly with the prompt (integer >= 1).",
+    kind="int",
+)
 VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "VLLM_HPU_EMULATION_MEMORY_GB",
     "8",
@@ -252,6 +259,22 @@ def get_number(name: str, cast: Callable[[str], float] = float, *, lo=None, hi=N
         ) from None
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise EnvError(f"{name}={raw!r} is out of range [{lo}, {hi}].")
+    return value
+
+
+def prefill_query_slice() -> int:
+    """Query tokens per prefill attention slice (VLLM_PREFILL_QUERY_SLICE), validated."""
+    raw = (get_raw(VLLM_PREFILL_QUERY_SLICE) or "").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise EnvError(
+            f"{VLLM_PREFILL_QUERY_SLICE}={raw!r} is not a whole number of query tokens >= 1; set "
+            f"it to e.g. 1024 or unset it for the default "
+            f"({VARIABLES[VLLM_PREFILL_QUERY_SLICE].default})."
+        )
     return value
 
 

@@ -121,6 +121,12 @@ def fused_sdpa(
     if dropout_p != 0.0:
         raise ValueError("fused_sdpa: dropout is not used at inference time")
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    enable_gqa = key.shape[-3] != query.shape[-3]
+    if is_causal and attn_mask is None:
+        # Gaudi's kernel needs no mask tensor in this mode: neither does its emulation.
+        return _causal_sdpa_by_query_tiles(
+            query, key, value, scale, enable_gqa, valid_sequence_lengths, padding_side
+        )
     mask = attn_mask
     if valid_sequence_lengths is not None:
         pos = torch.arange(kv_len, device=query.device)
@@ -131,7 +137,6 @@ def fused_sdpa(
     if is_causal:
         causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
         mask = causal if mask is None else _combine(mask, causal)
-    enable_gqa = key.shape[-3] != query.shape[-3]
     if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and q_len > _SDPA_TILE:
         return _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa)
     return F.scaled_dot_product_attention(
@@ -140,6 +145,38 @@ def fused_sdpa(
 
 
 _SDPA_TILE = 64  # query rows per tile when skipping masked-out keys
+# Query rows per tile of causal attention without a mask: the per-tile mask and scores are
+# [batch, heads, tile, keys], linear in the sequence length.
+_CAUSAL_TILE = 256
+
+
+def _causal_sdpa_by_query_tiles(
+    query, key, value, scale, enable_gqa, valid_sequence_lengths, padding_side
+) -> torch.Tensor:
+    """Causal (top-left aligned) attention with optional valid lengths, one tile of query rows
+    at a time against only the keys the tile can see (0 .. the tile's last row), so no
+    [q_len, kv_len] mask or score matrix ever exists."""
+    batch, q_len, kv_len = query.shape[0], query.shape[-2], key.shape[-2]
+    out = torch.empty_like(query)
+    for start in range(0, q_len, _CAUSAL_TILE):
+        stop = min(start + _CAUSAL_TILE, q_len)
+        keys = min(stop, kv_len)
+        pos = torch.arange(keys, device=query.device)
+        rows = torch.arange(start, stop, device=query.device)
+        mask = pos[None, :] <= rows[:, None]  # [tile, keys]
+        if valid_sequence_lengths is not None:
+            lens = valid_sequence_lengths.view(-1, 1).to(query.device)
+            valid = pos >= kv_len - lens if padding_side == "left" else pos < lens
+            mask = mask[None, None] & valid.view(batch, 1, 1, keys)
+        out[..., start:stop, :] = F.scaled_dot_product_attention(
+            query[..., start:stop, :],
+            key[..., :keys, :],
+            value[..., :keys, :],
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    return out
 
 
 def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> torch.Tensor:
