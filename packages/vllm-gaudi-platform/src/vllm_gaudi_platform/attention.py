@@ -112,7 +112,10 @@ class HPUAttentionMetadata:
     prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
     decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
     decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
-    _windowed: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    # Per (part, window): the narrowed gather of that window, built on first use.
+    _windowed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
     def prefill_causal_only(self) -> bool:
         """True when plain causal attention over each row's own new tokens is the whole mask:
