@@ -23,7 +23,13 @@ results = {}
 for ep in metadata.distribution(sys.argv[1]).entry_points:
     try:
         func = ep.load()
-        returned = func() if ep.group.startswith("vllm.") else None
+        if ep.group == "vllm.stat_logger_plugins":  # vLLM instantiates these per engine later
+            from vllm.v1.metrics.loggers import StatLoggerBase
+
+            assert issubclass(func, StatLoggerBase), func
+            returned = func.__name__
+        else:
+            returned = func() if ep.group.startswith("vllm.") else None
         if ep.group == "vllm.platform_plugins" and isinstance(returned, str):
             module, _, cls = returned.rpartition(".")
             getattr(importlib.import_module(module), cls)

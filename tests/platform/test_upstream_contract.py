@@ -360,6 +360,29 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuNixlConnectorWorker asks the remote rank vLLM's handshake asks first",
         params=("remote_tp_size", "remote_dcp_size"),
     ),
+    # --- the stat logger plugin (stat_logger.py: HpuStatLogger) ---------------------------------
+    Upstream(
+        "vllm.v1.metrics.loggers:StatLoggerManager.__init__",
+        "HpuStatLogger (an aggregate logger, built with engine_indexes) comes before vLLM's own "
+        "PrometheusStatLogger, whose constructor unregisters every 'vllm:' collector, and "
+        "log_engine_initialized follows both: HpuStatLogger creates its metrics there",
+        mentions=("AggregateStatLoggerBase", "engine_indexes", "PrometheusStatLogger"),
+    ),
+    Upstream(
+        "vllm.v1.metrics.loggers:PrometheusStatLogger.__init__",
+        "HpuStatLogger creates its metrics after this constructor clears 'vllm:' collectors",
+        mentions=("unregister_vllm_metrics",),
+    ),
+    Upstream(
+        "vllm.config.parallel:ParallelConfig",
+        "HpuStatLogger reports from the first API-server process only",
+        mentions=("_api_process_rank",),
+    ),
+    Upstream(
+        "vllm.config.vllm:VllmConfig",
+        "metrics.channel_path: worker and API server name the channel after instance_id",
+        mentions=("instance_id",),
+    ),
 )
 
 
@@ -385,6 +408,11 @@ NIXL_WORKER = (
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker:NixlBaseConnectorWorker"
 )
 OVERRIDING_CLASSES: tuple[Overriding, ...] = (
+    Overriding(
+        f"{P}.stat_logger:HpuStatLogger",
+        "vllm.v1.metrics.loggers:AggregateStatLoggerBase",
+        frozenset({"refresh"}),
+    ),
     Overriding(
         f"{P}.platform:HpuPlatform",
         "vllm.platforms.interface:Platform",

@@ -21,6 +21,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs, spec_decode, step_layout
+from vllm_gaudi_platform import metrics as hpu_metrics
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.seam import backend as seam_backend
@@ -107,6 +108,8 @@ class HPUModelRunner(GPUModelRunner):
             block_size=self.cache_config.block_size,
         )
         self.recompiles = RecompileTracker(strict=envs.get_bool(envs.VLLM_FULL_WARMUP))
+        # Serving counters for the API server's /metrics (see vllm_gaudi_platform.metrics).
+        self.step_metrics = hpu_metrics.StepMetrics(hpu_metrics.worker_channel(vllm_config))
         self.trace_recorder: TraceRecorder | None = None
         trace_path = (envs.get_raw(envs.VLLM_BUCKETING_RECORD_TRACE) or "").strip()
         if trace_path:
@@ -242,6 +245,7 @@ class HPUModelRunner(GPUModelRunner):
             plan=self.bucket_plan,
         )
         self.recompiles.record(layout)
+        self.step_metrics.record(layout, seq_lens, self.block_size, self.recompiles.count)
         if self.trace_recorder is not None:
             self.trace_recorder.record(query_lens, seq_lens)
         step_layout.set_current(layout)
@@ -273,6 +277,8 @@ class HPUModelRunner(GPUModelRunner):
         self.seam.synchronize()
         self.warmup_seconds = time.perf_counter() - start
         self.recompiles.warmup_done = True
+        graphs = getattr(getattr(self, "graphs", None), "graphs", None)  # HPU graphs, if any
+        self.step_metrics.set_warmup(self.warmup_seconds, len(graphs) if graphs else 0)
         logger.info(
             "HPU warmup: %d prompt + %d decode buckets in %.2f s",
             len(self.bucket_plan.prompt),

@@ -1,0 +1,170 @@
+"""HPU serving metrics: what the worker counts per step and the channel that takes it to /metrics.
+
+The numbers live in the worker (the model runner sees every step's bucket layout); vLLM's
+Prometheus endpoint lives in the API-server process, where the ``vllm.stat_logger_plugins``
+logger (``vllm_gaudi_platform.stat_logger``) runs. The channel between them is a small
+memory-mapped file per engine, written in place by the worker and read by the logger:
+
+- Why not ``collective_rpc``: a stat logger's ``record()`` is a synchronous call made by the
+  output handler for every engine output, with no engine client to call, and an RPC per output
+  would put a round trip to every worker into the serving loop.
+- Why not the scheduler stats: they are built by the scheduler in the engine core from what the
+  runner returns, and ``ModelRunnerOutput`` has no free-form field; ``kv_connector_stats`` exists
+  only with a KV connector configured.
+- The mapped file costs the worker a few float stores per step (no system call, no thread, no
+  serialisation) and the logger one read of a few hundred bytes per output. Both sides name the
+  file after what they share without talking: vLLM's ``VllmConfig.instance_id`` (set once in the
+  API server and copied into every engine process) and the data-parallel rank (the logger's
+  ``engine_idx``). The file sits in the temporary directory and is removed when the worker exits.
+
+Counters are totals since warmup (serving steps only; warmup's own runs are not counted):
+
+- ``recompiles``: shapes run after warmup that warmup did not run (first time each);
+- ``{prompt,decode}_hits`` / ``_misses``: step parts that ran in a bucket of the plan / at their
+  exact, unplanned shape;
+- ``{prompt_tokens,decode_batch,decode_blocks}_{real,padded}``: the work a step needed and the
+  work its buckets ran (prefill tokens, decode sequences, decode KV blocks);
+- gauges ``warmup_seconds`` and ``graphs`` (captured HPU graphs; 0 until the runner has graphs).
+
+Pure Python (no torch, no vllm): the arithmetic is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_gaudi_platform.step_layout import StepLayout
+
+FIELDS: tuple[str, ...] = (
+    "recompiles",
+    "prompt_hits",
+    "prompt_misses",
+    "decode_hits",
+    "decode_misses",
+    "prompt_tokens_real",
+    "prompt_tokens_padded",
+    "decode_batch_real",
+    "decode_batch_padded",
+    "decode_blocks_real",
+    "decode_blocks_padded",
+    "warmup_seconds",
+    "graphs",
+)
+# The padding dimensions, each a (real, padded) pair of FIELDS.
+PADDING_DIMENSIONS: tuple[str, ...] = ("prompt_tokens", "decode_batch", "decode_blocks")
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+# Slot numbers, looked up once: record() runs every step.
+_RECOMPILES, _P_HIT, _P_MISS, _D_HIT, _D_MISS = (
+    _INDEX[n]
+    for n in ("recompiles", "prompt_hits", "prompt_misses", "decode_hits", "decode_misses")
+)
+_PT_REAL, _PT_PAD, _DB_REAL, _DB_PAD, _DK_REAL, _DK_PAD = (
+    _INDEX[f"{dim}_{kind}"] for dim in PADDING_DIMENSIONS for kind in ("real", "padded")
+)
+# A magic number and a layout version lead the file, so a reader never trusts a foreign file.
+_MAGIC = 0x48505553  # "HPUS"
+_VERSION = 1
+_HEADER = struct.Struct("<II")
+SIZE = _HEADER.size + 8 * len(FIELDS)
+
+
+def channel_path(instance_id: str, engine_index: int) -> Path:
+    """The file one engine's worker writes and the API server's logger reads."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    safe = "".join(c for c in str(instance_id) if c.isalnum() or c in "-_") or "default"
+    return Path(tempfile.gettempdir()) / f"vllm-gaudi-metrics-{uid}-{safe}-dp{engine_index}.bin"
+
+
+def worker_channel(vllm_config: Any) -> Path | None:
+    """The channel the worker of `vllm_config` writes, or None on ranks other than an engine's
+    first (tensor/pipeline-parallel ranks run the same steps: one of them reports)."""
+    parallel = vllm_config.parallel_config
+    if parallel.rank % max(parallel.world_size, 1) != 0:
+        return None
+    return channel_path(vllm_config.instance_id, parallel.data_parallel_rank)
+
+
+def padding_ratio(real: float, padded: float) -> float:
+    """Padding as a share of the real work: 0.25 means buckets ran 25% more than needed."""
+    return (padded - real) / real if real > 0 else 0.0
+
+
+class StepMetrics:
+    """The worker's counters, stored straight into a float64 array (a mapped file or memory)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        if path is None:
+            self._buf = bytearray(SIZE)
+            buf: memoryview = memoryview(self._buf)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, SIZE)
+                self._mm = mmap.mmap(fd, SIZE)
+            finally:
+                os.close(fd)
+            buf = memoryview(self._mm)
+            atexit.register(self.close)
+        _HEADER.pack_into(buf, 0, _MAGIC, _VERSION)
+        self._values = buf[_HEADER.size :].cast("d")
+
+    def __getitem__(self, name: str) -> float:
+        return self._values[_INDEX[name]]
+
+    def snapshot(self) -> dict[str, float]:
+        return {name: self._values[i] for i, name in enumerate(FIELDS)}
+
+    def set_warmup(self, seconds: float, graphs: int) -> None:
+        self._values[_INDEX["warmup_seconds"]] = seconds
+        self._values[_INDEX["graphs"]] = graphs
+
+    def record(
+        self, layout: StepLayout, seq_lens: Sequence[int], block_size: int, recompiles: int
+    ) -> None:
+        """Count one serving step: which of its parts found a bucket and how much they padded."""
+        v = self._values
+        v[_RECOMPILES] = recompiles  # the runner's RecompileTracker owns this count
+        prefill = layout.prefill
+        if prefill is not None:
+            v[_P_HIT if prefill.warmed else _P_MISS] += 1
+            v[_PT_REAL] += sum(layout.query_lens[i] for row in prefill.row_members for i in row)
+            v[_PT_PAD] += prefill.rows * prefill.query_bucket
+        decode = layout.decode
+        if decode is not None:
+            v[_D_HIT if decode.warmed else _D_MISS] += 1
+            v[_DB_REAL] += len(decode.members)
+            v[_DB_PAD] += decode.batch_bucket
+            v[_DK_REAL] += sum(-(-seq_lens[i] // block_size) for i in decode.members)
+            v[_DK_PAD] += decode.blocks_bucket
+
+    def close(self) -> None:
+        """Unmap and remove the file (the worker is going away)."""
+        if self._mm is None:
+            return
+        self._values.release()
+        mm, self._mm = self._mm, None
+        mm.close()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def read_snapshot(path: Path) -> dict[str, float] | None:
+    """The counters in `path`, or None while no worker has written it (or it is not ours)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if len(data) != SIZE or _HEADER.unpack_from(data, 0) != (_MAGIC, _VERSION):
+        return None
+    values = struct.unpack_from(f"<{len(FIELDS)}d", data, _HEADER.size)
+    return dict(zip(FIELDS, values))
