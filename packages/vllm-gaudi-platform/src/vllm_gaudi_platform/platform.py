@@ -171,7 +171,8 @@ class HpuPlatform(Platform):
 
     @classmethod
     def get_punica_wrapper(cls) -> str:
-        return "vllm.lora.punica_wrapper.punica_cpu.PunicaWrapperCPU"
+        # Static-shape multi-LoRA through the seam's batched shrink/expand kernels.
+        return "vllm_gaudi_platform.lora.PunicaWrapperHPU"
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -262,11 +263,6 @@ class HpuPlatform(Platform):
             else:
                 compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
                 compilation_config.backend = cls.simple_compile_backend
-        if vllm_config.lora_config is not None:
-            raise NotImplementedError(
-                "LoRA adapters are not supported on HPU by vllm-gaudi yet; start without "
-                "--enable-lora."
-            )
 
         _set_gaudi_runtime_env()
         _check_bucketing(vllm_config)
