@@ -83,6 +83,11 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(f"{RUNNER}._sync_device", "HPUModelRunner synchronizes through the seam"),
     Upstream(
+        f"{RUNNER}._model_forward",
+        "HPUModelRunner replays the step's bucket graph here (vLLM passes these by name)",
+        keywords=("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
+    ),
+    Upstream(
         f"{RUNNER}._to_list", "HPUModelRunner: a plain tolist()", params=("sampled_token_ids",)
     ),
     Upstream(
@@ -360,48 +365,6 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuNixlConnectorWorker asks the remote rank vLLM's handshake asks first",
         params=("remote_tp_size", "remote_dcp_size"),
     ),
-    # --- multi-LoRA (lora.py: PunicaWrapperHPU; model_runner.py: LoRA warmup) -------------------
-    Upstream(
-        "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase._update_base_metadata",
-        "PunicaWrapperHPU.update_metadata fills the per-token slots through it",
-        params=("mapping", "lora_index_to_id", "max_loras", "vocab_size"),
-    ),
-    Upstream(
-        "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase.__init__",
-        "PunicaWrapperHPU resets the padding of these index buffers after each step's mapping",
-        mentions=("_token_lora_indices", "_sampler_indices", "_embeddings_indices"),
-    ),
-    Upstream(
-        "vllm.lora.layers.vocab_parallel_embedding:VocabParallelEmbeddingWithLoRA.forward",
-        "PunicaWrapperHPU: the LoRA embedding reads the index buffer over the padded step",
-        mentions=("_embeddings_indices",),
-    ),
-    Upstream(
-        "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin._set_active_loras",
-        "HPUModelRunner._run_bucket activates the warmup adapters of each bucket",
-        params=("prompt_lora_mapping", "token_lora_mapping", "lora_requests"),
-    ),
-    Upstream(
-        "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.maybe_setup_dummy_loras",
-        "HPUModelRunner.warmup_model loads max_loras dummy adapters (lora ids 1..max_loras)",
-        params=("lora_config",),
-        mentions=("add_dummy_lora", "lora_int_id", "num_loras"),
-    ),
-    Upstream(
-        "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin.load_lora_model",
-        "HPUModelRunner.load_model wraps the model's layers for LoRA",
-        params=("model", "vllm_config", "device"),
-    ),
-    Upstream(
-        "vllm.lora.worker_manager:WorkerLoRAManager.create_lora_manager",
-        "lora.punica_wrapper_of reads the runner's LoRA manager's _adapter_manager",
-        mentions=("_adapter_manager",),
-    ),
-    Upstream(
-        "vllm.lora.model_manager:LoRAModelManager._init_punica_wrapper",
-        "lora.punica_wrapper_of reads punica_wrapper_mapping[DEFAULT_LANGUAGE_WRAPPER_KEY]",
-        mentions=("punica_wrapper_mapping", "DEFAULT_LANGUAGE_WRAPPER_KEY"),
-    ),
     # --- the stat logger plugin (stat_logger.py: HpuStatLogger) ---------------------------------
     Upstream(
         "vllm.v1.metrics.loggers:StatLoggerManager.__init__",
@@ -488,15 +451,13 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "warmup_model",
                 "_run_bucket",
                 "_forward_with_metadata",
+                "_graph_forward",
+                "_graph_inputs",
+                "_static_metadata",
+                "recapture_graphs",
                 "_attention_layer_names",
-                "lora_unwarmed_shapes",
             }
         ),
-    ),
-    Overriding(
-        f"{P}.lora:PunicaWrapperHPU",
-        "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase",
-        frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate"}),
     ),
     Overriding(
         f"{P}.attention:HPUAttentionMetadataBuilder",

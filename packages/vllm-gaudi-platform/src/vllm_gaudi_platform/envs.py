@@ -93,6 +93,13 @@ VLLM_PREFILL_QUERY_SLICE = _declare(
     "this many query tokens, so its mask and scores grow linearly with the prompt (integer >= 1).",
     kind="int",
 )
+PT_HPU_RECIPE_CACHE_CONFIG = _declare(
+    "PT_HPU_RECIPE_CACHE_CONFIG",
+    None,
+    "Intel's on-disk cache of compiled Gaudi recipes, kept between restarts so warmup reuses them: "
+    "'<directory>,<delete existing: true|false>,<max size in MB>'. Checked at worker start on a "
+    "Gaudi (read by Gaudi's runtime itself); no effect in CPU emulation.",
+)
 VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "VLLM_HPU_EMULATION_MEMORY_GB",
     "8",
@@ -293,6 +300,49 @@ def non_default(environ: Mapping[str, str] | None = None) -> dict[str, str]:
         if var.default is None or value.strip() != var.default:
             found[name] = value
     return found
+
+
+@dataclass(frozen=True)
+class RecipeCache:
+    """PT_HPU_RECIPE_CACHE_CONFIG, parsed."""
+
+    directory: str
+    delete: bool  # clear the directory when the process starts
+    max_size_mb: int
+
+
+def recipe_cache(environ: Mapping[str, str] | None = None) -> RecipeCache | None:
+    """PT_HPU_RECIPE_CACHE_CONFIG parsed, None when unset; raises EnvError on a bad value.
+
+    Format (Intel's): '<directory>,<delete: true|false>,<max size in MB>'. A trailing fourth
+    field, seen in some of Intel's scripts, is accepted if it is a boolean and not interpreted.
+    """
+    environ = os.environ if environ is None else environ
+    raw = (environ.get(PT_HPU_RECIPE_CACHE_CONFIG) or "").strip()
+    if not raw:
+        return None
+    parts = [p.strip() for p in raw.split(",")]
+    fix = (
+        f"set {PT_HPU_RECIPE_CACHE_CONFIG}='<directory>,<true|false>,<max size in MB>' "
+        "(e.g. /data/recipes,false,8192) or unset it"
+    )
+    if len(parts) not in (3, 4) or not parts[0]:
+        raise EnvError(f"{PT_HPU_RECIPE_CACHE_CONFIG}={raw!r} is not valid; {fix}.")
+    flags = [p.lower() for p in parts[1:2] + parts[3:]]
+    if any(flag not in ("true", "false") for flag in flags):
+        raise EnvError(
+            f"{PT_HPU_RECIPE_CACHE_CONFIG}={raw!r}: the delete flag must be true or false; {fix}."
+        )
+    try:
+        size = int(parts[2])
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise EnvError(
+            f"{PT_HPU_RECIPE_CACHE_CONFIG}={raw!r}: the max size must be a positive number of "
+            f"MB; {fix}."
+        )
+    return RecipeCache(parts[0], parts[1].lower() == "true", size)
 
 
 def emulation_mode() -> str | None:

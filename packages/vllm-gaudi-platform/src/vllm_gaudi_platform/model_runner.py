@@ -9,26 +9,32 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 from vllm.config import CUDAGraphMode, VllmConfig
-from vllm.forward_context import BatchDescriptor, set_forward_context
+from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gaudi_platform import envs, spec_decode, step_layout
+from vllm_gaudi_platform import envs, hpu_graphs, spec_decode, step_layout
 from vllm_gaudi_platform import metrics as hpu_metrics
-from vllm_gaudi_platform import lora as hpu_lora
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.seam import backend as seam_backend
 from vllm_gaudi_platform.step_trace import TraceRecorder
 
 logger = init_logger(f"vllm.{__name__}")
+
+# Warmup progress goes to the log (not only a tqdm bar) at least this often, and at every tenth
+# of the plan, so a supervisor reading the log sees it advance.
+WARMUP_LOG_INTERVAL_S = 10.0
+# Buckets warmed before the first estimate of the total warmup time.
+WARMUP_ESTIMATE_AFTER = 3
 
 
 class RecompileError(RuntimeError):
@@ -83,6 +89,42 @@ def _without_cuda_handles():
         torch.Event, torch.cuda.Stream = saved  # type: ignore[misc]
 
 
+class _WarmupProgress:
+    """Plain warmup progress lines for a supervisor reading the log (a tqdm bar is not one)."""
+
+    def __init__(self, total: int, start: float) -> None:
+        self.total = total
+        self.start = self.last_log = start
+        self.done = 0
+        self.next_tenth = 1
+
+    def step(self) -> None:
+        self.done += 1
+        done, total = self.done, self.total
+        now = time.perf_counter()
+        elapsed = now - self.start
+        left = elapsed / done * (total - done)
+        if done == WARMUP_ESTIMATE_AFTER and done < total:
+            logger.info(
+                "HPU warmup: estimated %.1f s in total from the first %d buckets (%.2f s each; "
+                "later buckets are larger, so this is a lower bound)",
+                elapsed + left,
+                done,
+                elapsed / done,
+            )
+        tenth = done * 10 >= self.next_tenth * total
+        if done == total or tenth or now - self.last_log >= WARMUP_LOG_INTERVAL_S:
+            logger.info(
+                "HPU warmup progress: %d/%d buckets, %.1f s elapsed, ~%.1f s left",
+                done,
+                total,
+                elapsed,
+                left,
+            )
+            self.last_log = now
+            self.next_tenth = done * 10 // total + 1
+
+
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
@@ -122,6 +164,13 @@ class HPUModelRunner(GPUModelRunner):
             )
         self.warmup_seconds: float | None = None
         self._planning = False
+        # HPU graphs: one per warmed bucket, replayed by every serving step of that bucket
+        # (hpu_graphs.py); enforce_eager=True runs every step op by op instead.
+        # LoRA steps stay eager: the adapter mapping is not kept in static per-bucket buffers.
+        self.graphs = hpu_graphs.BucketGraphs(
+            enabled=not self.model_config.enforce_eager and self.lora_config is None
+        )
+        self._graph_weights: dict[str, torch.nn.Parameter] = {}
 
     # ------------------------------------------------------------------ device plumbing
     def _share_host_buffers(self) -> None:
@@ -197,10 +246,6 @@ class HPUModelRunner(GPUModelRunner):
         # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
         loaded: Any = model if model is not None else get_model(vllm_config=self.vllm_config)
         self.model = loaded
-        if self.lora_config:
-            # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run
-            # through the platform's punica wrapper (vllm_gaudi_platform.lora.PunicaWrapperHPU).
-            self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
         # A quantization method may transform the loaded model before warmup (INC FP8 patches its
         # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
         after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)
@@ -257,9 +302,110 @@ class HPUModelRunner(GPUModelRunner):
         padded = layout.num_tokens_padded
         return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, None, None)
 
+    # ------------------------------------------------------------------ HPU graphs
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **model_kwargs: Any,
+    ) -> Any:
+        """A serving step: replay its bucket's graph when it has one, else run eagerly."""
+        entry = None
+        if (
+            self._planning
+            and input_ids is not None
+            and inputs_embeds is None
+            and intermediate_tensors is None
+            and not model_kwargs
+        ):
+            entry = self.graphs.lookup(step_layout.current())
+        if entry is None:
+            return super()._model_forward(
+                input_ids=input_ids,
+                positions=positions,
+                intermediate_tensors=intermediate_tensors,
+                inputs_embeds=inputs_embeds,
+                **model_kwargs,
+            )
+        assert input_ids is not None and positions is not None
+        ids, pos = input_ids, positions
+        step_metadata = get_forward_context().attn_metadata
+        assert isinstance(step_metadata, dict)
+        return self.graphs.replay(
+            entry,
+            step_metadata,
+            lambda static: self._graph_inputs(ids, pos, static),
+        )
+
+    def _graph_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: dict[str, HPUAttentionMetadata],
+    ) -> Callable[[], Any]:
+        """The forward pass a graph records: the model on the static token buffers, with the
+        bucket's static attention metadata in the forward context (whoever set the context)."""
+
+        def forward() -> Any:
+            context = get_forward_context()
+            saved = context.attn_metadata
+            context.attn_metadata = metadata  # type: ignore[assignment]
+            try:
+                return self.model(input_ids=input_ids, positions=positions)
+            finally:
+                context.attn_metadata = saved
+
+        return forward
+
+    def _graph_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: dict[str, HPUAttentionMetadata],
+    ) -> dict[str, Any]:
+        """Every buffer a graph reads, by name (the emulated Graph checks them at each replay)."""
+        distinct = list({id(md): md for md in metadata.values()}.values())
+        return {
+            "input_ids": input_ids,
+            "positions": positions,
+            "attn_metadata": distinct,
+            "kv_caches": [kv for kv in self.kv_caches if isinstance(kv, torch.Tensor)],
+            "weights": self._graph_weights,
+        }
+
+    def _static_metadata(self, metadata: HPUAttentionMetadata) -> dict[str, HPUAttentionMetadata]:
+        """Per-layer static metadata of one bucket: one copy per KV-cache group, since each
+        group's step metadata is written into its own buffers."""
+        static: dict[str, HPUAttentionMetadata] = {}
+        for group in self.kv_cache_config.kv_cache_groups:
+            group_md = hpu_graphs.static_metadata(metadata)
+            static.update(dict.fromkeys(group.layer_names, group_md))
+        return static
+
+    def recapture_graphs(self) -> None:
+        """Capture every bucket's graph again: sleep mode re-allocates the weights and the KV
+        cache, and a graph holds the addresses it was captured with."""
+        if not self.graphs.graphs:
+            return
+        keys = list(self.graphs.graphs)
+        self.graphs.clear()
+        start = time.perf_counter()
+        num_blocks = self.cache_config.num_gpu_blocks or 0
+        for key in keys:
+            self._run_bucket(key[0], num_blocks)
+        logger.info("HPU graphs: %d recaptured in %.2f s", len(keys), time.perf_counter() - start)
+
     # ------------------------------------------------------------------ warmup
     def warmup_model(self) -> None:
-        """Run every bucket of the plan once, so serving never meets a new shape."""
+        """Run every bucket of the plan once, so serving never meets a new shape; with HPU
+        graphs on, that run captures the bucket's graph.
+
+        The plan (bucket and graph count) is logged before the first bucket, an estimate of the
+        total time after the first few, and progress lines (done/total, elapsed, time left) at
+        least every WARMUP_LOG_INTERVAL_S seconds and at every tenth of the plan.
+        """
         logger.info("HPU bucket plan:\n%s", self.bucket_plan.describe())
         if envs.get_bool(envs.VLLM_SKIP_WARMUP):
             logger.warning(
@@ -269,30 +415,38 @@ class HPUModelRunner(GPUModelRunner):
             return
         buckets = [*self.bucket_plan.prompt, *self.bucket_plan.decode]
         num_blocks = self.cache_config.num_gpu_blocks or 0
+        total = len(buckets)
+        logger.info(
+            "HPU warmup plan: %d buckets (%d prompt, %d decode), %s",
+            total,
+            len(self.bucket_plan.prompt),
+            len(self.bucket_plan.decode),
+            f"capturing {total} HPU graphs" if self.graphs.enabled else "no HPU graphs",
+        )
         start = time.perf_counter()
+        progress_log = _WarmupProgress(total, start)
         try:
             from tqdm import tqdm
 
             progress = tqdm(buckets, desc="HPU warmup", unit="bucket", leave=False)
         except ImportError:  # tqdm comes with vLLM; keep working without it
             progress = buckets
-        # With LoRA on, every bucket runs with max_loras dummy adapters loaded (removed after).
-        with self.maybe_setup_dummy_loras(self.lora_config):
-            for bucket in progress:
-                self._run_bucket(bucket, num_blocks)
-                self.recompiles.warmed.add(bucket)
-        if self.lora_config:
-            self.lora_warmed_shapes = set(hpu_lora.punica_wrapper_of(self.lora_manager).shapes)
+        for bucket in progress:
+            self._run_bucket(bucket, num_blocks)
+            self.recompiles.warmed.add(bucket)
+            progress_log.step()
         self.seam.synchronize()
         self.warmup_seconds = time.perf_counter() - start
         self.recompiles.warmup_done = True
         graphs = getattr(getattr(self, "graphs", None), "graphs", None)  # HPU graphs, if any
         self.step_metrics.set_warmup(self.warmup_seconds, len(graphs) if graphs else 0)
         logger.info(
-            "HPU warmup: %d prompt + %d decode buckets in %.2f s",
+            "HPU warmup: %d prompt + %d decode buckets in %.2f s; %d HPU graphs captured in %.2f s",
             len(self.bucket_plan.prompt),
             len(self.bucket_plan.decode),
             self.warmup_seconds,
+            self.graphs.stats.captured,
+            self.graphs.stats.capture_seconds,
         )
 
     @torch.no_grad()
@@ -300,10 +454,6 @@ class HPUModelRunner(GPUModelRunner):
         block_size = self.block_size
         layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size)
         n = len(seq_lens)
-        if self.lora_config:
-            self._set_active_loras(
-                *hpu_lora.warmup_mapping(layout.query_lens, self.lora_config.max_loras)
-            )
         # Every warmup sequence reads and writes block 0, the null block that vLLM never hands
         # to a request, so warmup cannot disturb cached data.
         max_blocks = max(-(-s // block_size) for s in seq_lens)
@@ -322,28 +472,42 @@ class HPUModelRunner(GPUModelRunner):
         self._forward_with_metadata(metadata, total, n)
 
     def _forward_with_metadata(self, metadata: HPUAttentionMetadata, total: int, n: int) -> None:
-        attn_metadata = {name: metadata for name in self._attention_layer_names()}
+        """Warmup's forward pass of one bucket; with HPU graphs on, the capture of its graph."""
         input_ids = self.input_ids.gpu[:total]
         positions = self.positions[:total]
+        capture = self.graphs.enabled
+        if capture:
+            attn_metadata = self._static_metadata(metadata)
+        else:
+            attn_metadata = {name: metadata for name in self._attention_layer_names()}
         with set_forward_context(
             attn_metadata,
             self.vllm_config,
             num_tokens=total,
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
         ):
-            hidden = self.model(input_ids=input_ids, positions=positions)
+            if capture:
+                if not self.graphs.graphs:
+                    # Allocated once; sleep mode moves them, and then recapture_graphs runs.
+                    self._graph_weights = dict(self.model.named_parameters())
+                key = metadata.layout.buckets
+                start = time.perf_counter()
+                hidden = self.graphs.capture(
+                    key,
+                    self.seam.Graph(" + ".join(str(b) for b in key)),
+                    self._graph_forward(input_ids, positions, attn_metadata),
+                    self._graph_inputs(input_ids, positions, attn_metadata),
+                    attn_metadata,
+                )
+                self.seam.synchronize()
+                self.graphs.stats.capture_seconds += time.perf_counter() - start
+            else:
+                hidden = self.model(input_ids=input_ids, positions=positions)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
         logits = self.model.compute_logits(hidden[:n])
         self.seam.mark_step()
         del logits
-
-    def lora_unwarmed_shapes(self) -> list[tuple]:
-        """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""
-        if not self.lora_config:
-            return []
-        wrapper = hpu_lora.punica_wrapper_of(self.lora_manager)
-        return hpu_lora.unwarmed_shapes(wrapper, getattr(self, "lora_warmed_shapes", set()))
 
     def _attention_layer_names(self) -> list[str]:
         names: list[str] = []

@@ -19,6 +19,28 @@ from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
 
+LORA_UNSUPPORTED = "LoRA adapters are not supported on HPU by vllm-gaudi yet."
+
+
+def _check_recipe_cache(emulated: bool) -> None:
+    """Validate PT_HPU_RECIPE_CACHE_CONFIG and say what it does here. Gaudi's runtime reads the
+    variable itself (the worker inherits it); a bad value fails now, naming the variable."""
+    cache = envs.recipe_cache()
+    if cache is None:
+        return
+    if emulated:
+        logger.info(
+            "%s is set but has no effect in CPU emulation (there are no compiled recipes).",
+            envs.PT_HPU_RECIPE_CACHE_CONFIG,
+        )
+        return
+    logger.info(
+        "Gaudi recipe cache: %s (%s at start, up to %d MB); warmup reuses the recipes found there",
+        cache.directory,
+        "cleared" if cache.delete else "kept",
+        cache.max_size_mb,
+    )
+
 
 class HPUWorker(Worker):
     model_runner: HPUModelRunner
@@ -37,6 +59,7 @@ class HPUWorker(Worker):
             current_platform.dist_backend,
         )
         set_random_seed(self.model_config.seed)
+        _check_recipe_cache(self.seam.IS_EMULATED)
         self.model_runner = HPUModelRunner(self.vllm_config, self.device)
         logger.info("HPU worker rank %d on %s", self.rank, self.seam.device_name(0))
 
@@ -59,7 +82,8 @@ class HPUWorker(Worker):
         """Bytes of device memory for the KV cache.
 
         usable = total * gpu_memory_utilization - weights - peak activations of the largest
-        forward pass (profiled) - a reserve for captured graphs (VLLM_GRAPH_RESERVED_MEM share).
+        forward pass (profiled) - a reserve for captured HPU graphs (VLLM_GRAPH_RESERVED_MEM
+        share; none with enforce_eager=True, which captures no graphs).
         An explicit kv_cache_memory_bytes wins, as on every vLLM platform.
         """
         explicit = self.cache_config.kv_cache_memory_bytes
@@ -76,6 +100,8 @@ class HPUWorker(Worker):
         weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
         usable = total * self.cache_config.gpu_memory_utilization - weights - activations
         reserve = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
+        if not self.model_runner.graphs.enabled:
+            reserve = 0.0
         kv_bytes = int(max(usable, 0) * (1.0 - reserve))
         if kv_bytes <= 0:
             raise ValueError(
@@ -144,6 +170,10 @@ class HPUWorker(Worker):
             if restored:
                 logger.info("HPU worker woke %s (%.3f GiB)", tag, restored / 2**30)
         self.seam.synchronize()
+        if not self._sleep.asleep:
+            # The restored weights and KV cache live at new addresses: graphs captured before
+            # sleeping would replay on the old ones.
+            self.model_runner.recapture_graphs()
 
     def get_sleep_report(self) -> dict:
         """Device bytes held now by the weights and the KV cache, and the sleep level (tests)."""
@@ -164,6 +194,19 @@ class HPUWorker(Worker):
     def _kv_cache_tensors(self) -> list[torch.Tensor]:
         return [kv for kv in self.model_runner.kv_caches if isinstance(kv, torch.Tensor)]
 
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def list_loras(self) -> set[int]:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        raise NotImplementedError(LORA_UNSUPPORTED)
+
     # ------------------------------------------------------------------ introspection
     def get_recompile_stats(self) -> dict:
         """Warmup time and recompile count, for tests, logs and collective_rpc callers."""
@@ -176,7 +219,11 @@ class HPUWorker(Worker):
             "num_prompt_buckets": len(runner.bucket_plan.prompt),
             "num_decode_buckets": len(runner.bucket_plan.decode),
             "num_verify_buckets": sum(b.phase == "verify" for b in runner.bucket_plan.prompt),
-            "lora_unwarmed_shapes": [list(shape) for shape in runner.lora_unwarmed_shapes()],
+            "graphs_enabled": runner.graphs.enabled,
+            "num_graphs": len(runner.graphs.graphs),
+            "graph_capture_seconds": runner.graphs.stats.capture_seconds,
+            "graph_replays": runner.graphs.stats.replays,
+            "eager_steps": runner.graphs.stats.eager_steps,
         }
 
     def check_health(self) -> None:

@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     import torch
 
 
+class GraphInputError(RuntimeError):
+    """A graph replay was handed an input that is not the buffer captured (storage, shape or
+    dtype differ). On a Gaudi the replay would silently read the captured buffer's stale data."""
+
+
 class HpuBackend(Protocol):
     """The device API and fused kernels of one Gaudi, real or emulated on the CPU."""
 
@@ -41,6 +46,13 @@ class HpuBackend(Protocol):
 
     @property
     def Event(self) -> type: ...
+
+    # Class of one captured forward pass (see `emulated.Graph`): Graph(name); capture(fn, inputs)
+    # runs fn once while recording it and returns its output; replay(inputs) runs the recording
+    # again and returns the output. `inputs` names every tensor the recording reads (mappings,
+    # sequences and dataclasses are walked); the caller must update them IN PLACE between replays.
+    @property
+    def Graph(self) -> type: ...
 
     # ------------------------------------------------------------------ device runtime
     def torch_device(self, index: int = 0) -> torch.device: ...
@@ -147,15 +159,6 @@ class HpuBackend(Protocol):
         B_scale_inv: torch.Tensor | float | None = None,
         bias: torch.Tensor | None = None,
         accumulate: bool = False,
-    ) -> torch.Tensor: ...
-
-    # ------------------------------------------------------------------ LoRA kernels
-    def lora_shrink(
-        self, x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
-    ) -> torch.Tensor: ...
-
-    def lora_expand(
-        self, x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor
     ) -> torch.Tensor: ...
 
 

@@ -7,11 +7,15 @@ layouts, same results (up to floating-point rounding). Emulation never claims to
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from vllm_gaudi_platform.seam.contract import GraphInputError
 
 NAME = "emulated on cpu"
 DEVICE_TYPE = "cpu"  # torch device type the tensors live on
@@ -94,6 +98,76 @@ class Event:
 
     def synchronize(self) -> None:
         pass
+
+
+class Graph:
+    """One forward pass "captured" for replay, with the input discipline of an HPU graph.
+
+    A Gaudi graph replays the recorded ops on the exact buffers it saw at capture: a caller that
+    hands it a re-allocated input (or one of another shape or dtype) gets the old buffer's stale
+    data, silently. The emulation has no recording to speed anything up, so it runs `fn` eagerly
+    at each replay, but first checks every tensor of `inputs` against what capture recorded and
+    raises `GraphInputError` naming the input that moved. That check is the point of the class:
+    it turns a bug that is silent on a Gaudi into a loud one in CI.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._fn: Callable[[], Any] | None = None
+        self._recorded: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+
+    def capture(self, fn: Callable[[], Any], inputs: Mapping[str, Any]) -> Any:
+        """Run `fn` once and record every tensor input's storage pointer, shape and dtype."""
+        self._recorded = _graph_inputs(inputs)
+        self._fn = fn
+        return fn()
+
+    def replay(self, inputs: Mapping[str, Any]) -> Any:
+        """Check `inputs` are the captured buffers, then run the captured `fn` again."""
+        if self._fn is None:
+            raise GraphInputError(f"graph {self.name!r} was replayed before it was captured")
+        now = _graph_inputs(inputs)
+        problems = []
+        for key, (ptr, shape, dtype) in self._recorded.items():
+            seen = now.get(key)
+            if seen is None:
+                problems.append(f"{key} is missing (captured as {dtype} {list(shape)})")
+            elif seen[0] != ptr:
+                problems.append(f"{key} is a different buffer than at capture (re-allocated)")
+            elif seen[1:] != (shape, dtype):
+                problems.append(
+                    f"{key} is {seen[2]} {list(seen[1])}, captured as {dtype} {list(shape)}"
+                )
+        problems += [f"{key} was not an input at capture" for key in now.keys() - self._recorded]
+        if problems:
+            raise GraphInputError(
+                f"graph {self.name!r} replayed with inputs that differ from its capture: "
+                + "; ".join(problems)
+                + ". A Gaudi would replay the captured buffers' stale data: update static "
+                "inputs in place (copy_) instead of re-allocating them."
+            )
+        return self._fn()
+
+
+def _graph_inputs(
+    value: Any, name: str = "", out: dict | None = None
+) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
+    """Every tensor reachable from `value` (mappings, lists/tuples, dataclass fields not starting
+    with '_'), by dotted path: (data pointer, shape, dtype)."""
+    out = {} if out is None else out
+    if isinstance(value, torch.Tensor):
+        out[name] = (value.data_ptr(), tuple(value.shape), value.dtype)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _graph_inputs(item, f"{name}.{key}" if name else str(key), out)
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _graph_inputs(item, f"{name}[{i}]", out)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            if not f.name.startswith("_"):
+                _graph_inputs(getattr(value, f.name), f"{name}.{f.name}", out)
+    return out
 
 
 # ----------------------------------------------------------------------------- fused kernels
@@ -530,40 +604,3 @@ def fp8_gemm_v2(
             raise ValueError("fp8_gemm_v2: accumulate=True needs D")
         out = out + D.float()
     return out.to(out_dtype)
-
-
-# ----------------------------------------------------------------------------- LoRA kernels
-# Multi-LoRA in static shapes: every token is multiplied by EVERY adapter slot's A (one matmul over
-# the stacked [slots * rank, in] weights) and a one-hot mask of the token's slot keeps its own
-# adapter's rows. Shapes depend only on (tokens, slots, rank), which are fixed by the bucket and by
-# max_loras / max_lora_rank, so a batch mixing adapters (or with none) never makes a new shape.
-def _lora_slot_mask(token_lora: torch.Tensor, num_slots: int) -> torch.Tensor:
-    """[T] slot per token (-1 = no adapter) -> float32 [T, num_slots] one-hot (all zero for -1)."""
-    slots = torch.arange(num_slots, device=token_lora.device)
-    return (token_lora.unsqueeze(1) == slots).to(torch.float32)
-
-
-def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """LoRA shrink batched over adapters: out[t] = scale * x[t] @ lora_a[token_lora[t]].T, and 0
-    for a token whose slot is -1.
-
-    x [T, in]; lora_a [slots, rank, in] (vLLM's stacked A without its layer axis); token_lora [T]
-    integer slot per token (padding tokens carry -1). Returns float32 [T, rank]."""
-    slots, rank, width = lora_a.shape
-    every = x.float() @ lora_a.reshape(slots * rank, width).float().t()  # [T, slots * rank]
-    mask = _lora_slot_mask(token_lora, slots)
-    return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1) * scale
-
-
-def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
-    """LoRA expand batched over adapters: out[t] = x[t] @ lora_b[token_lora[t]].T, and 0 for a
-    token whose slot is -1.
-
-    x [T, rank] (the shrink output); lora_b [slots, out, rank] (vLLM's stacked B without its layer
-    axis); token_lora [T]. Returns float32 [T, out]."""
-    slots, width, rank = lora_b.shape
-    mask = _lora_slot_mask(token_lora, slots)
-    spread = (x.float().unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
-    return spread @ lora_b.float().transpose(1, 2).reshape(slots * rank, width)

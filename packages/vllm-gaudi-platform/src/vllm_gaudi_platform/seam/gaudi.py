@@ -6,6 +6,9 @@ Thin wrappers providing `contract.HpuBackend`, the same API as `emulated.py`. No
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from typing import Any
+
 import habana_frameworks.torch as htorch  # noqa: F401 - registers the hpu device with torch
 import habana_frameworks.torch.core as htcore
 import habana_frameworks.torch.hpu as hthpu
@@ -59,6 +62,28 @@ def mark_step() -> None:
 
 Stream = hthpu.Stream
 Event = hthpu.Event
+
+
+class Graph:
+    """One forward pass captured as an HPU graph (`habana_frameworks.torch.hpu.HPUGraph`).
+
+    Replay re-runs the recorded ops on the buffers seen at capture and returns the output
+    tensors captured then (overwritten by the replay). `inputs` is not read here: the emulated
+    twin checks it (Gaudi gives no such check; a re-allocated input replays stale data).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._graph = hthpu.HPUGraph()
+        self._output: Any = None
+
+    def capture(self, fn: Callable[[], Any], inputs: Mapping[str, Any]) -> Any:
+        """Record `fn` on a side stream (as HPU graph capture requires) and return its output."""
+        with hthpu.stream(hthpu.Stream()):
+            self._graph.capture_begin()
+            self._output = fn()
+            self._graph.capture_end()
+        return self._output
 
 
 def fused_sdpa(
@@ -252,33 +277,3 @@ def fp8_gemm_v2(
         bias,
         accumulate,
     )
-
-
-# ----------------------------------------------------------------------------- LoRA kernels
-# No dedicated Gaudi LoRA kernel is used: these are plain torch ops that the graph compiler maps to
-# two MME matmuls and element-wise masking, in shapes fixed by the bucket and by max_loras /
-# max_lora_rank (see emulated.py for the scheme). The matmuls run in the weights' dtype (bf16 on
-# the MME, float32 accumulation); results are float32 like the emulation's.
-def _lora_slot_mask(token_lora: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
-    slots = torch.arange(num_slots, device=token_lora.device)
-    return (token_lora.unsqueeze(1) == slots).to(dtype)
-
-
-def lora_shrink(
-    x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """out[t] = scale * x[t] @ lora_a[token_lora[t]].T (0 where token_lora is -1), float32
-    [T, rank]; x [T, in], lora_a [slots, rank, in], token_lora [T]."""
-    slots, rank, width = lora_a.shape
-    every = torch.matmul(x.to(lora_a.dtype), lora_a.reshape(slots * rank, width).t())
-    mask = _lora_slot_mask(token_lora, slots, every.dtype)
-    return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1).float() * scale
-
-
-def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
-    """out[t] = x[t] @ lora_b[token_lora[t]].T (0 where token_lora is -1); float32 [T, out].
-    x [T, rank], lora_b [slots, out, rank], token_lora [T]."""
-    slots, width, rank = lora_b.shape
-    mask = _lora_slot_mask(token_lora, slots, lora_b.dtype)
-    spread = (x.to(lora_b.dtype).unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
-    return torch.matmul(spread, lora_b.transpose(1, 2).reshape(slots * rank, width)).float()

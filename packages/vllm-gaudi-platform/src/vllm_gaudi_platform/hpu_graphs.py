@@ -1,0 +1,158 @@
+"""HPU graphs: one captured forward pass per warmed bucket, replayed with static inputs.
+
+A graph replays on the buffers it saw at capture, so everything the forward pass reads must live
+in per-bucket static buffers that each step updates IN PLACE:
+
+- token ids and positions: vLLM's persistent `input_ids` / `positions` buffers, sliced to the
+  bucket's padded token count (the same storage every step);
+- attention metadata: one `HPUAttentionMetadata` per bucket and KV-cache group, built at capture
+  (`static_metadata`) and overwritten tensor by tensor from each step's metadata
+  (`copy_metadata`). Python values the attention code branches on are fixed per graph: the
+  bucket's layout, the general (permuting) cell order, and every padded token written to the
+  cache (padding tokens go to slots of block 0, the null block no request owns);
+- KV caches and weights: allocated once; wake-up after sleep mode moves them, so the runner
+  captures again then.
+
+The seam's `Graph` does the capture and replay; its emulation checks at every replay that each
+input is still the captured buffer, with the captured shape and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_gaudi_platform.attention import HPUAttentionMetadata
+from vllm_gaudi_platform.bucketing import Bucket
+from vllm_gaudi_platform.step_layout import StepLayout
+
+# Metadata fields that are not copied from the step: fixed per graph (see the module docstring)
+# or a per-step cache that the forward pass rebuilds.
+_FIXED_FIELDS = {"layout", "num_actual_tokens", "identity_layout", "slot_mapping", "_windowed"}
+
+
+class GraphStepError(RuntimeError):
+    """A step cannot be written into its bucket's static buffers (a shape or field differs)."""
+
+
+def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
+    """Turn freshly built metadata (warmup's, for one bucket) into the bucket's static buffers.
+
+    The slot mapping covers every padded token (padding writes go to block 0), and the cells are
+    always permuted through `cell_to_token`: both would otherwise change with the real token
+    count, which a graph cannot follow.
+    """
+    total = md.layout.num_tokens_padded
+    slots = torch.zeros(total, dtype=md.slot_mapping.dtype, device=md.slot_mapping.device)
+    slots[: md.num_actual_tokens].copy_(md.slot_mapping[: md.num_actual_tokens])
+    # Own copies: every bucket (and KV-cache group) has its own buffers.
+    own: dict[str, Any] = {
+        f.name: value.clone()
+        for f in dataclasses.fields(md)
+        if f.name not in _FIXED_FIELDS and isinstance(value := getattr(md, f.name), torch.Tensor)
+    }
+    return dataclasses.replace(
+        md, **own, slot_mapping=slots, num_actual_tokens=total, identity_layout=False, _windowed={}
+    )
+
+
+def copy_metadata(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> None:
+    """Write one step's metadata into the bucket's static metadata, in place."""
+    if step.layout.buckets != static.layout.buckets:
+        raise GraphStepError(
+            f"step buckets {step.layout.buckets} differ from the graph's {static.layout.buckets}"
+        )
+    n = step.num_actual_tokens
+    static.slot_mapping[:n].copy_(step.slot_mapping[:n])
+    static.slot_mapping[n:].zero_()
+    static._windowed.clear()  # derived masks: recomputed from the updated positions
+    for f in dataclasses.fields(static):
+        if f.name in _FIXED_FIELDS:
+            continue
+        mine, theirs = getattr(static, f.name), getattr(step, f.name)
+        if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                raise GraphStepError(
+                    f"attention metadata {f.name}: step has {theirs.dtype} {list(theirs.shape)}, "
+                    f"the graph {mine.dtype} {list(mine.shape)}"
+                )
+            mine.copy_(theirs)
+        elif isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor) or mine != theirs:
+            raise GraphStepError(
+                f"attention metadata {f.name} differs between the step and its graph and is "
+                "not a tensor a graph could read in place"
+            )
+
+
+@dataclass
+class BucketGraph:
+    """One bucket's captured graph and the static buffers it reads."""
+
+    graph: Any  # seam Graph
+    metadata: dict[str, HPUAttentionMetadata]  # layer name -> its group's static metadata
+    replays: int = 0
+
+
+@dataclass
+class GraphStats:
+    captured: int = 0
+    capture_seconds: float = 0.0
+    replays: int = 0
+    eager_steps: int = 0  # serving steps with no graph (mixed prefill + decode, unplanned)
+    eager_buckets: dict[tuple, int] = field(default_factory=dict)
+
+
+class BucketGraphs:
+    """The graphs of one runner, keyed by the buckets of a step layout."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.graphs: dict[tuple[Bucket, ...], BucketGraph] = {}
+        self.stats = GraphStats()
+
+    def clear(self) -> None:
+        self.graphs.clear()
+
+    def lookup(self, layout: StepLayout | None) -> BucketGraph | None:
+        if not self.enabled or layout is None:
+            return None
+        found = self.graphs.get(layout.buckets)
+        if found is None:
+            self.stats.eager_steps += 1
+            key = tuple((b.phase, b.batch_size, b.query_len, b.ctx_blocks) for b in layout.buckets)
+            self.stats.eager_buckets[key] = self.stats.eager_buckets.get(key, 0) + 1
+        return found
+
+    def capture(
+        self,
+        key: tuple[Bucket, ...],
+        graph: Any,
+        fn: Callable[[], Any],
+        inputs: Mapping[str, Any],
+        metadata: dict[str, HPUAttentionMetadata],
+    ) -> Any:
+        out = graph.capture(fn, inputs)
+        self.graphs[key] = BucketGraph(graph=graph, metadata=metadata)
+        self.stats.captured = len(self.graphs)
+        return out
+
+    def replay(
+        self,
+        entry: BucketGraph,
+        step_metadata: Mapping[str, Any],
+        inputs_for: Callable[[dict[str, HPUAttentionMetadata]], Mapping[str, Any]],
+    ) -> Any:
+        """Copy the step's attention metadata into the bucket's static buffers and replay."""
+        done: set[int] = set()
+        for name, static in entry.metadata.items():
+            if id(static) in done:
+                continue
+            done.add(id(static))
+            copy_metadata(static, step_metadata[name])
+        entry.replays += 1
+        self.stats.replays += 1
+        return entry.graph.replay(inputs_for(entry.metadata))

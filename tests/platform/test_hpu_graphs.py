@@ -1,0 +1,159 @@
+"""HPU graphs in emulation: the seam's Graph refuses a replay whose inputs are not the captured
+buffers (a Gaudi would silently replay stale data), and a bucket's static attention metadata,
+filled in place from a step, gives that step's attention output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.seam.contract import GraphInputError
+
+BLOCK = 16
+HEADS, KV_HEADS, DIM = 4, 2, 32
+NUM_BLOCKS = 32
+
+
+def _counting_graph(emulated, inputs):
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return inputs["x"] * 2
+
+    graph = emulated.Graph("test")
+    graph.capture(fn, inputs)
+    return graph, calls
+
+
+def test_replay_with_the_captured_buffers_runs_the_captured_callable(emulated):
+    x = torch.arange(4.0)
+    graph, calls = _counting_graph(emulated, {"x": x})
+    x.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))  # updated in place: allowed
+    out = graph.replay({"x": x})
+    assert out.tolist() == [10.0, 12.0, 14.0, 16.0]
+    assert len(calls) == 2
+
+
+def test_replay_with_a_reallocated_input_fails_naming_the_input(emulated):
+    x = torch.arange(4.0)
+    graph, calls = _counting_graph(emulated, {"x": x})
+    with pytest.raises(GraphInputError, match=r"x is a different buffer than at capture"):
+        graph.replay({"x": x.clone()})
+    assert len(calls) == 1  # not run
+
+
+def test_replay_with_another_shape_or_dtype_fails_naming_both(emulated):
+    buf = torch.zeros(8)
+    graph, _ = _counting_graph(emulated, {"x": buf[:4]})
+    with pytest.raises(GraphInputError, match=r"x is torch.float32 \[6\], captured as"):
+        graph.replay({"x": buf[:6]})
+    with pytest.raises(GraphInputError, match=r"x is torch.int32 \[8\], captured as"):
+        graph.replay({"x": buf.view(torch.int32)})
+
+
+def test_tensors_inside_attention_metadata_are_checked_by_their_path(emulated):
+    md = _metadata([1, 1], [20, 40], _plan(decode=[(2, 1, 4)]))
+    graph = emulated.Graph("decode")
+    graph.capture(lambda: None, {"attn_metadata": [md]})
+    graph.replay({"attn_metadata": [md]})
+    md.decode_block_list = md.decode_block_list.clone()  # a runner bug: re-allocated
+    with pytest.raises(GraphInputError, match=r"attn_metadata\[0\]\.decode_block_list is a diff"):
+        graph.replay({"attn_metadata": [md]})
+
+
+def _plan(prompt=(), decode=()):
+    return BucketPlan(
+        strategy="test",
+        prompt=tuple(Bucket("prompt", *b) for b in prompt),
+        decode=tuple(Bucket("decode", *b) for b in decode),
+    )
+
+
+def _metadata(query_lens, ctx_lens, plan, table=None):
+    from vllm_gaudi_platform.attention import build_metadata
+
+    seq_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
+    n = len(query_lens)
+    max_blocks = max(-(-s // BLOCK) for s in seq_lens)
+    if table is None:
+        table = torch.arange(1, 1 + n * max_blocks, dtype=torch.int32).view(n, max_blocks)
+    layout = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+    slots = torch.cat(
+        [
+            table[i, torch.arange(c, s) // BLOCK].long() * BLOCK + torch.arange(c, s) % BLOCK
+            for i, (c, s) in enumerate(zip(ctx_lens, seq_lens))
+        ]
+    )
+    return build_metadata(
+        layout=layout,
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=slots,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+
+
+def _attention(md, window, real, seed=0):
+    """One attention layer over a random KV cache and random new q/k/v; returns the output of
+    the `real` tokens and the cache after the step's writes (blocks 1.., block 0 being the null
+    block)."""
+    from vllm_gaudi_platform.attention import HPUAttentionImpl
+
+    gen = torch.Generator().manual_seed(seed)
+    impl = HPUAttentionImpl(
+        HEADS, DIM, 1 / math.sqrt(DIM), num_kv_heads=KV_HEADS, sliding_window=window
+    )
+    total = md.layout.num_tokens_padded
+    kv = torch.randn(NUM_BLOCKS, KV_HEADS, BLOCK, 2 * DIM, generator=gen)
+    q = torch.randn(total, HEADS * DIM, generator=gen)
+    k = torch.randn(total, KV_HEADS * DIM, generator=gen)
+    v = torch.randn(total, KV_HEADS * DIM, generator=gen)
+    out = torch.zeros(total, HEADS * DIM)
+    impl.forward(None, q, k, v, kv, md, out)
+    return out[:real], kv[1:]
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize(
+    "warm, step, plan",
+    [
+        # warmup's sequences vs a step's: other lengths, same decode bucket
+        (([1, 1], [5, 5]), ([1, 1], [30, 17]), _plan(decode=[(2, 1, 4)])),
+        # a prompt bucket: padding tokens, cached context
+        (([8], [0]), ([5], [18]), _plan(prompt=[(1, 8, 2)])),
+    ],
+)
+def test_static_metadata_filled_from_a_step_gives_the_step_output(
+    emulated, warm, step, plan, window
+):
+    from vllm_gaudi_platform.hpu_graphs import copy_metadata, static_metadata
+
+    step_md = _metadata(*step, plan)
+    warm_md = _metadata(*warm, plan, table=torch.zeros(len(warm[0]), 4, dtype=torch.int32))
+    assert step_md.layout.buckets == warm_md.layout.buckets
+    static = static_metadata(warm_md)
+    buffers = {f: getattr(static, f) for f in ("cell_to_token", "slot_mapping")}
+    copy_metadata(static, step_md)
+    assert all(getattr(static, f) is t for f, t in buffers.items())  # written in place
+    real = sum(step[0])
+    out, cache = _attention(static, window, real)
+    expected, expected_cache = _attention(step_md, window, real)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(cache, expected_cache)  # padding writes only touch block 0
+
+
+def test_a_step_of_another_bucket_is_refused(emulated):
+    from vllm_gaudi_platform.hpu_graphs import GraphStepError, copy_metadata, static_metadata
+
+    plan = _plan(decode=[(2, 1, 4), (4, 1, 8)])
+    static = static_metadata(_metadata([1, 1], [5, 5], plan))
+    with pytest.raises(GraphStepError, match="differ from the graph's"):
+        copy_metadata(static, _metadata([1, 1, 1], [5, 5, 5], plan))
