@@ -141,3 +141,9 @@ def test_warmup_mapping_mixes_every_adapter_and_the_base_model():
     assert per_request == (0, 1, 2, 0)
     assert per_token == (0, 0, 0, 1, 2, 0, 0)
     assert sorted(r.lora_int_id for r in requests) == [1, 2]
+
+
+def test_punica_wrapper_refuses_mixture_of_experts_lora_by_name(emulated):
+    wrapper = PunicaWrapperHPU(max_num_batched_tokens=4, max_batches=2, device="cpu")
+    with pytest.raises(NotImplementedError, match="mixture-of-experts.*--enable-lora"):
+        wrapper.add_lora_w13(torch.zeros(1), torch.zeros(1))
