@@ -22,6 +22,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs, hpu_graphs, spec_decode, step_layout
+from vllm_gaudi_platform import lora as hpu_lora
 from vllm_gaudi_platform import metrics as hpu_metrics
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
@@ -246,6 +247,10 @@ class HPUModelRunner(GPUModelRunner):
         # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
         loaded: Any = model if model is not None else get_model(vllm_config=self.vllm_config)
         self.model = loaded
+        if self.lora_config:
+            # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run
+            # through the platform's punica wrapper (vllm_gaudi_platform.lora.PunicaWrapperHPU).
+            self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
         # A quantization method may transform the loaded model before warmup (INC FP8 patches its
         # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
         after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)
@@ -431,10 +436,14 @@ class HPUModelRunner(GPUModelRunner):
             progress = tqdm(buckets, desc="HPU warmup", unit="bucket", leave=False)
         except ImportError:  # tqdm comes with vLLM; keep working without it
             progress = buckets
-        for bucket in progress:
-            self._run_bucket(bucket, num_blocks)
-            self.recompiles.warmed.add(bucket)
-            progress_log.step()
+        # With LoRA on, every bucket runs with max_loras dummy adapters loaded (removed after).
+        with self.maybe_setup_dummy_loras(self.lora_config):
+            for bucket in progress:
+                self._run_bucket(bucket, num_blocks)
+                self.recompiles.warmed.add(bucket)
+                progress_log.step()
+        if self.lora_config:
+            self.lora_warmed_shapes = set(hpu_lora.punica_wrapper_of(self.lora_manager).shapes)
         self.seam.synchronize()
         self.warmup_seconds = time.perf_counter() - start
         self.recompiles.warmup_done = True
@@ -454,6 +463,10 @@ class HPUModelRunner(GPUModelRunner):
         block_size = self.block_size
         layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size)
         n = len(seq_lens)
+        if self.lora_config:
+            self._set_active_loras(
+                *hpu_lora.warmup_mapping(layout.query_lens, self.lora_config.max_loras)
+            )
         # Every warmup sequence reads and writes block 0, the null block that vLLM never hands
         # to a request, so warmup cannot disturb cached data.
         max_blocks = max(-(-s // block_size) for s in seq_lens)
@@ -508,6 +521,13 @@ class HPUModelRunner(GPUModelRunner):
         logits = self.model.compute_logits(hidden[:n])
         self.seam.mark_step()
         del logits
+
+    def lora_unwarmed_shapes(self) -> list[tuple]:
+        """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""
+        if not self.lora_config:
+            return []
+        wrapper = hpu_lora.punica_wrapper_of(self.lora_manager)
+        return hpu_lora.unwarmed_shapes(wrapper, getattr(self, "lora_warmed_shapes", set()))
 
     def _attention_layer_names(self) -> list[str]:
         names: list[str] = []

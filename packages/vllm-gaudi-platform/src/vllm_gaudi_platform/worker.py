@@ -19,8 +19,6 @@ from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
 
-LORA_UNSUPPORTED = "LoRA adapters are not supported on HPU by vllm-gaudi yet."
-
 
 def _check_recipe_cache(emulated: bool) -> None:
     """Validate PT_HPU_RECIPE_CACHE_CONFIG and say what it does here. Gaudi's runtime reads the
@@ -194,19 +192,6 @@ class HPUWorker(Worker):
     def _kv_cache_tensors(self) -> list[torch.Tensor]:
         return [kv for kv in self.model_runner.kv_caches if isinstance(kv, torch.Tensor)]
 
-    # ------------------------------------------------------------------ LoRA
-    def add_lora(self, lora_request) -> bool:
-        raise NotImplementedError(LORA_UNSUPPORTED)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        raise NotImplementedError(LORA_UNSUPPORTED)
-
-    def list_loras(self) -> set[int]:
-        raise NotImplementedError(LORA_UNSUPPORTED)
-
-    def pin_lora(self, lora_id: int) -> bool:
-        raise NotImplementedError(LORA_UNSUPPORTED)
-
     # ------------------------------------------------------------------ introspection
     def get_recompile_stats(self) -> dict:
         """Warmup time and recompile count, for tests, logs and collective_rpc callers."""
@@ -224,6 +209,7 @@ class HPUWorker(Worker):
             "graph_capture_seconds": runner.graphs.stats.capture_seconds,
             "graph_replays": runner.graphs.stats.replays,
             "eager_steps": runner.graphs.stats.eager_steps,
+            "lora_unwarmed_shapes": [list(shape) for shape in runner.lora_unwarmed_shapes()],
         }
 
     def check_health(self) -> None:

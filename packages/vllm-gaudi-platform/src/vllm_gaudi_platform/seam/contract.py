@@ -161,6 +161,15 @@ class HpuBackend(Protocol):
         accumulate: bool = False,
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ LoRA kernels
+    def lora_shrink(
+        self, x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+    def lora_expand(
+        self, x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor
+    ) -> torch.Tensor: ...
+
 
 if TYPE_CHECKING:
     # The type checker proves both backend modules satisfy the Protocol.

@@ -604,3 +604,40 @@ def fp8_gemm_v2(
             raise ValueError("fp8_gemm_v2: accumulate=True needs D")
         out = out + D.float()
     return out.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- LoRA kernels
+# Multi-LoRA in static shapes: every token is multiplied by EVERY adapter slot's A (one matmul over
+# the stacked [slots * rank, in] weights) and a one-hot mask of the token's slot keeps its own
+# adapter's rows. Shapes depend only on (tokens, slots, rank), which are fixed by the bucket and by
+# max_loras / max_lora_rank, so a batch mixing adapters (or with none) never makes a new shape.
+def _lora_slot_mask(token_lora: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """[T] slot per token (-1 = no adapter) -> float32 [T, num_slots] one-hot (all zero for -1)."""
+    slots = torch.arange(num_slots, device=token_lora.device)
+    return (token_lora.unsqueeze(1) == slots).to(torch.float32)
+
+
+def lora_shrink(
+    x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """LoRA shrink batched over adapters: out[t] = scale * x[t] @ lora_a[token_lora[t]].T, and 0
+    for a token whose slot is -1.
+
+    x [T, in]; lora_a [slots, rank, in] (vLLM's stacked A without its layer axis); token_lora [T]
+    integer slot per token (padding tokens carry -1). Returns float32 [T, rank]."""
+    slots, rank, width = lora_a.shape
+    every = x.float() @ lora_a.reshape(slots * rank, width).float().t()  # [T, slots * rank]
+    mask = _lora_slot_mask(token_lora, slots)
+    return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1) * scale
+
+
+def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
+    """LoRA expand batched over adapters: out[t] = x[t] @ lora_b[token_lora[t]].T, and 0 for a
+    token whose slot is -1.
+
+    x [T, rank] (the shrink output); lora_b [slots, out, rank] (vLLM's stacked B without its layer
+    axis); token_lora [T]. Returns float32 [T, out]."""
+    slots, width, rank = lora_b.shape
+    mask = _lora_slot_mask(token_lora, slots)
+    spread = (x.float().unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
+    return spread @ lora_b.float().transpose(1, 2).reshape(slots * rank, width)
