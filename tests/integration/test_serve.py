@@ -313,3 +313,52 @@ def test_serving_after_warmup_causes_no_recompiles(client, completions):
     # Runs last: by then the batched prompts, streams, chat and the burst have all been served.
     stats = recompile_stats(client)
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+def hpu_metric(client: httpx.Client, name: str, **labels: str) -> float | None:
+    """One sample of the server's Prometheus /metrics, or None when it is not there."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return None
+
+
+def test_metrics_show_the_hpu_metrics_and_count_a_recompile(server, client):
+    # Runs after the no-recompile check: it makes the server run a shape outside its plan. Many
+    # prompts that each reuse three cached blocks, sent at once, are packed into one prefill row
+    # whose context (3 blocks per prompt) outgrows the plan's packed-row buckets (4 x 4 blocks).
+    assert hpu_metric(client, "vllm:hpu_recompiles_total") == 0
+    assert hpu_metric(client, "vllm:hpu_warmup_seconds") > 0
+    assert hpu_metric(client, "vllm:hpu_bucket_hits_total", phase="decode") > 0
+    for dim in ("prompt_tokens", "decode_batch", "decode_blocks"):
+        assert hpu_metric(client, "vllm:hpu_padding_ratio", dimension=dim) >= 0
+    assert hpu_metric(client, "vllm:hpu_graphs") is not None
+
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, tinymodels.VOCAB_SIZE) for _ in range(3 * 128)]
+    post(client, "/v1/completions", {"prompt": [*prefix, 5, 6], "max_tokens": 1})
+    tails = [
+        [rng.randrange(3, tinymodels.VOCAB_SIZE) for _ in range(4)] for _ in range(NUM_CONCURRENT)
+    ]
+
+    async def send_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(
+            base_url=server[0], timeout=REQUEST_TIMEOUT_S, trust_env=False
+        ) as aclient:
+            return await asyncio.gather(
+                *(
+                    aclient.post("/v1/completions", json={"prompt": prefix + t, "max_tokens": 1})
+                    for t in tails
+                )
+            )
+
+    assert {r.status_code for r in asyncio.run(send_all())} == {200}
+    recompiles = recompile_stats(client)["recompiles"]
+    assert recompiles > 0
+    assert hpu_metric(client, "vllm:hpu_recompiles_total") == recompiles
+    assert hpu_metric(client, "vllm:hpu_bucket_misses_total", phase="prompt") > 0

@@ -3,6 +3,11 @@ and the stat logger that turns the file into Prometheus metrics."""
 
 from __future__ import annotations
 
+import os
+import struct
+import subprocess
+import sys
+
 import pytest
 
 from vllm_gaudi_platform import metrics, step_layout
@@ -191,3 +196,29 @@ def test_the_stat_logger_publishes_nothing_off_the_hpu_platform(registry, monkey
     logger.log_engine_initialized()
 
     assert _value(registry, "vllm:hpu_recompiles_total") is None
+
+
+def test_a_new_worker_removes_files_left_by_workers_that_are_gone(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    uid = os.getuid()
+    left = tmp_path / f"vllm-gaudi-metrics-{uid}-1-dp0.bin"
+    alive = metrics.StepMetrics(tmp_path / f"vllm-gaudi-metrics-{uid}-2-dp0.bin")
+    try:
+        stale = metrics.StepMetrics(left)
+        stale._values.release()
+        stale._mm.close()  # as if killed: the file stays, its pid now names a finished process
+        data = bytearray(left.read_bytes())
+        struct.pack_into("<Q", data, 8, int(dead.stdout))
+        left.write_bytes(bytes(data))
+
+        metrics.StepMetrics(tmp_path / f"vllm-gaudi-metrics-{uid}-3-dp0.bin").close()
+
+        assert not left.exists()
+        assert alive.path.exists()
+    finally:
+        alive.close()

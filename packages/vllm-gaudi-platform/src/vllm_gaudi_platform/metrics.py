@@ -15,7 +15,9 @@ memory-mapped file per engine, written in place by the worker and read by the lo
   serialisation) and the logger one read of a few hundred bytes per output. Both sides name the
   file after what they share without talking: vLLM's ``VllmConfig.instance_id`` (set once in the
   API server and copied into every engine process) and the data-parallel rank (the logger's
-  ``engine_idx``). The file sits in the temporary directory and is removed when the worker exits.
+  ``engine_idx``). The file sits in the temporary directory and is removed when the worker exits;
+  a worker killed before it could remove its file leaves it behind, and the next worker that
+  starts removes files whose writer process is gone (the file holds the writer's pid).
 
 Counters are totals since warmup (serving steps only; warmup's own runs are not counted):
 
@@ -69,18 +71,52 @@ _RECOMPILES, _P_HIT, _P_MISS, _D_HIT, _D_MISS = (
 _PT_REAL, _PT_PAD, _DB_REAL, _DB_PAD, _DK_REAL, _DK_PAD = (
     _INDEX[f"{dim}_{kind}"] for dim in PADDING_DIMENSIONS for kind in ("real", "padded")
 )
-# A magic number and a layout version lead the file, so a reader never trusts a foreign file.
+# A magic number and a layout version lead the file, so a reader never trusts a foreign file;
+# then the writer's pid, so that files left by killed workers can be swept.
 _MAGIC = 0x48505553  # "HPUS"
-_VERSION = 1
-_HEADER = struct.Struct("<II")
+_VERSION = 2
+_HEADER = struct.Struct("<IIQ")
+_PREFIX = "vllm-gaudi-metrics-"
 SIZE = _HEADER.size + 8 * len(FIELDS)
 
 
 def channel_path(instance_id: str, engine_index: int) -> Path:
     """The file one engine's worker writes and the API server's logger reads."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
     safe = "".join(c for c in str(instance_id) if c.isalnum() or c in "-_") or "default"
-    return Path(tempfile.gettempdir()) / f"vllm-gaudi-metrics-{uid}-{safe}-dp{engine_index}.bin"
+    return Path(tempfile.gettempdir()) / f"{_PREFIX}{_uid()}-{safe}-dp{engine_index}.bin"
+
+
+def _uid() -> int:
+    return os.getuid() if hasattr(os, "getuid") else 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 and negatives name process groups, not a writer
+        return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):  # gone, or no pid at all
+        return False
+    except OSError:  # exists, but not ours to signal
+        return True
+    return True
+
+
+def sweep_stale(folder: Path) -> int:
+    """Remove this user's channel files in `folder` whose writer process is gone."""
+    removed = 0
+    for path in folder.glob(f"{_PREFIX}{_uid()}-*.bin"):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if len(data) < _HEADER.size:
+            continue
+        magic, version, pid = _HEADER.unpack_from(data, 0)
+        if (magic, version) == (_MAGIC, _VERSION) and not _alive(pid):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def worker_channel(vllm_config: Any) -> Path | None:
@@ -107,6 +143,7 @@ class StepMetrics:
             self._buf = bytearray(SIZE)
             buf: memoryview = memoryview(self._buf)
         else:
+            sweep_stale(path.parent)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.ftruncate(fd, SIZE)
@@ -115,7 +152,7 @@ class StepMetrics:
                 os.close(fd)
             buf = memoryview(self._mm)
             atexit.register(self.close)
-        _HEADER.pack_into(buf, 0, _MAGIC, _VERSION)
+        _HEADER.pack_into(buf, 0, _MAGIC, _VERSION, os.getpid())
         self._values = buf[_HEADER.size :].cast("d")
 
     def __getitem__(self, name: str) -> float:
@@ -164,7 +201,7 @@ def read_snapshot(path: Path) -> dict[str, float] | None:
         data = path.read_bytes()
     except OSError:
         return None
-    if len(data) != SIZE or _HEADER.unpack_from(data, 0) != (_MAGIC, _VERSION):
+    if len(data) != SIZE or _HEADER.unpack_from(data, 0)[:2] != (_MAGIC, _VERSION):
         return None
     values = struct.unpack_from(f"<{len(FIELDS)}d", data, _HEADER.size)
     return dict(zip(FIELDS, values))
