@@ -37,3 +37,4 @@ bench: setup ## benchmarks, side by side ratios
 	$(PY) benchmarks/bucketing.py
 	$(PY) benchmarks/ops.py
 	$(PY) benchmarks/e2e_emulation.py
+	$(PY) benchmarks/host_overhead.py
