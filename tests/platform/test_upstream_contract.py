@@ -111,6 +111,17 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUModelRunner rebuilds the bucket plan from the real KV cache",
         params=("kv_cache_config",),
     ),
+    Upstream(
+        f"{RUNNER}.__init__",
+        "HPUModelRunner warmup runs no compute_logits when the runner is a pooling model",
+        mentions=("is_pooling_model",),
+    ),
+    Upstream(
+        f"{RUNNER}.may_add_encoder_only_layers_to_kv_cache_config",
+        "HPUModelRunner.initialize_kv_cache reads the block size from self.kv_cache_config, "
+        "where this adds the encoder-only layers' group (BERT-style models have no other)",
+        mentions=("self.kv_cache_config", "EncoderOnlyAttentionSpec"),
+    ),
     # --- the worker (worker.py: HPUWorker) -----------------------------------------------------
     Upstream(
         "vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",

@@ -74,7 +74,8 @@ class HPUAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
+        # ENCODER_ONLY: BERT-style bidirectional attention over the prompt, no KV cache.
+        return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @classmethod
     def supports_sliding_window(cls) -> bool:
@@ -473,8 +474,14 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
     ) -> None:
         if alibi_slopes is not None:
             raise NotImplementedError("ALiBi attention is not supported on HPU by vllm-gaudi yet.")
-        if attn_type != AttentionType.DECODER:
+        if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
             raise NotImplementedError(f"Attention type {attn_type} is not supported on HPU yet.")
+        if attn_type == AttentionType.ENCODER_ONLY and (sliding_window or logits_soft_cap):
+            raise NotImplementedError(
+                "Encoder-only attention with a sliding window or logit soft-capping is not "
+                "supported on HPU yet."
+            )
+        self.attn_type = attn_type
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -512,6 +519,8 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         q = query[:total].view(total, h, d)
         k = key[:total].view(total, hk, d)
         v = value[:total].view(total, hk, d)
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            return self._forward_encoder_only(q, k, v, md, output)
 
         # [blocks, heads, slots, 2d] viewed block-size-first, flat over token slots.
         cache = kv_cache.transpose(1, 2)
@@ -556,6 +565,73 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if not md.identity_layout:
             output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
         return output
+
+    # ------------------------------------------------------------------ encoder-only
+    def _forward_encoder_only(self, q, k, v, md: HPUAttentionMetadata, output: torch.Tensor):
+        """Bidirectional attention of each sequence over its own tokens (BERT-style encoders),
+        in the same bucketed cell layout as a decoder step; no KV cache is read or written.
+
+        vLLM schedules an encoder-only prompt whole (no chunked prefill, no prefix caching), so
+        no sequence has cached context: a one-token prompt lands in the decode part and attends
+        to itself alone.
+        """
+        h, d = self.num_heads, self.head_size
+        total = md.layout.num_tokens_padded
+        if md.identity_layout:
+            q_cells, k_cells, v_cells = q, k, v
+            out_cells = output[:total].view(total, h, d)
+        else:
+            q_cells = q[md.cell_to_token]
+            k_cells, v_cells = k[md.cell_to_token], v[md.cell_to_token]
+            out_cells = torch.empty_like(q_cells)
+        n_cells = 0
+        p = md.layout.prefill
+        if p is not None:
+            n_cells = p.rows * p.query_bucket
+            out_cells[:n_cells] = self._encoder_prefill(
+                q_cells[:n_cells], k_cells[:n_cells], v_cells[:n_cells], md
+            )
+        if md.layout.decode is not None:
+            # Softmax over a single key is 1: the output is the token's own value.
+            bsz = md.layout.decode.batch_bucket
+            own = v_cells[n_cells : n_cells + bsz]
+            out_cells[n_cells : n_cells + bsz] = own.repeat_interleave(h // own.shape[1], dim=1)
+        if not md.identity_layout:
+            output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
+        return output
+
+    def _encoder_prefill(self, q, k, v, md: HPUAttentionMetadata) -> torch.Tensor:
+        """Bidirectional prefill over the [rows, query_bucket] grid: one sequence per row takes
+        the fused SDPA with valid lengths (no mask); packed rows attend in query slices with a
+        same-sequence mask (a padding cell sees only its own key)."""
+        p = md.layout.prefill
+        assert p is not None and md.prefill_valid_lens is not None
+        rows, qb = p.rows, p.query_bucket
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
+        q = q.view(rows, qb, h, d).transpose(1, 2)
+        k = k.reshape(rows, qb, hk, d).transpose(1, 2)
+        v = v.reshape(rows, qb, hk, d).transpose(1, 2)
+        if not md.prefill_packed:
+            out = self.seam.fused_sdpa(
+                q,
+                k,
+                v,
+                is_causal=False,
+                scale=self.scale,
+                valid_sequence_lengths=md.prefill_valid_lens,
+                padding_side="right",
+            )
+            return out.transpose(1, 2).reshape(rows * qb, h, d)
+        assert md.prefill_q_seq is not None and md.prefill_k_seq is not None
+        k_seq = md.prefill_k_seq[:, -qb:]  # the new tokens' key columns (there is no context)
+        out = torch.empty_like(q)
+        for q0 in range(0, qb, self.query_slice):
+            q1 = min(q0 + self.query_slice, qb)
+            mask = (md.prefill_q_seq[:, q0:q1, None] == k_seq[:, None, :])[:, None]
+            out[:, :, q0:q1] = self.seam.fused_sdpa(
+                q[:, :, q0:q1], k, v, attn_mask=mask, scale=self.scale
+            )
+        return out.transpose(1, 2).reshape(rows * qb, h, d)
 
     # ------------------------------------------------------------------ FP8 KV cache
     @staticmethod

@@ -211,7 +211,9 @@ class HPUModelRunner(GPUModelRunner):
     def initialize_kv_cache(self, kv_cache_config, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         # The plan's block arithmetic must use the block size and count the KV cache really has.
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        # self.kv_cache_config: vLLM's runner adds a group for encoder-only layers there (a
+        # BERT-style model has no other group).
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
         if self.trace_recorder is not None:
             self.trace_recorder.block_size = self.block_size
@@ -518,9 +520,12 @@ class HPUModelRunner(GPUModelRunner):
                 hidden = self.model(input_ids=input_ids, positions=positions)
         if isinstance(hidden, tuple):
             hidden = hidden[0]
-        logits = self.model.compute_logits(hidden[:n])
+        if not self.is_pooling_model:
+            # A pooling model has no LM head: its pooler reads the hidden states per request
+            # after the padded forward pass, so warmup has nothing more to run for it.
+            logits = self.model.compute_logits(hidden[:n])
+            del logits
         self.seam.mark_step()
-        del logits
 
     def lora_unwarmed_shapes(self) -> list[tuple]:
         """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""

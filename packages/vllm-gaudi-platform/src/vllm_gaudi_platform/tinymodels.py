@@ -98,6 +98,27 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Encoder-only models (bidirectional attention, no KV cache), saved without a language-model head:
+# vLLM serves them with runner="pooling" (embeddings). name -> (config class, config).
+ENCODERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "bert": (
+        "BertConfig",
+        {
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 1024,
+            "type_vocab_size": 2,
+            "initializer_range": 0.25,
+            "torch_dtype": "float32",
+            "pad_token_id": 0,
+        },
+    ),
+}
+
+
 def cache_root() -> Path:
     """Where built models are kept: VLLM_GAUDI_MODEL_CACHE, else the user's cache folder."""
     root = envs.get_raw(envs.VLLM_GAUDI_MODEL_CACHE)
@@ -129,10 +150,14 @@ def _build_tokenizer(path: Path) -> None:
 
 def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Path:
     """Path of the tiny model `name`, building and caching it on first use."""
-    if name not in MODELS:
-        raise ValueError(f"Unknown tiny model {name!r}; choose one of {sorted(MODELS)}.")
-    cls_name, overrides = MODELS[name]
-    config_kwargs = {**_BASE, **overrides}
+    if name in ENCODERS:
+        cls_name, config_kwargs = ENCODERS[name]
+    elif name in MODELS:
+        cls_name, overrides = MODELS[name]
+        config_kwargs = {**_BASE, **overrides}
+    else:
+        known = sorted([*MODELS, *ENCODERS])
+        raise ValueError(f"Unknown tiny model {name!r}; choose one of {known}.")
     key = hashlib.sha256(
         json.dumps([name, cls_name, config_kwargs, seed, CORPUS], sort_keys=True).encode()
     ).hexdigest()[:12]
@@ -147,7 +172,8 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     tmp.mkdir(parents=True, exist_ok=True)
     config = getattr(transformers, cls_name)(**config_kwargs)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM
+    model = auto.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(tmp, safe_serialization=True)
     _build_tokenizer(tmp)
     with contextlib.suppress(OSError):  # another process built it first
