@@ -1,0 +1,51 @@
+"""Runs the offline embedding cases of test_pooling.py in ONE fresh process (vLLM imported once)
+and prints one `RESULT <case> <json>` line per case:
+
+    python pooling_job.py '<json job>'
+
+Job: {"cases": {name: {"model": path, "prompts": [[token ids]], "engine": {LLM kwargs}}}}.
+Each case starts `LLM(..., runner="pooling")`, embeds its prompts twice (once all together,
+mixed lengths in shared steps, once one prompt per call) and reports both sets of embeddings and
+the HPU runner's recompile statistics. A case that fails prints its error instead, so the other
+cases still report.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import traceback
+
+
+def run_case(case: dict) -> dict:
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=case["model"], runner="pooling", **case["engine"])
+    try:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
+        together = llm.embed(prompts, use_tqdm=False)
+        alone = [llm.embed([p], use_tqdm=False)[0] for p in prompts]
+        return {
+            "together": [o.outputs.embedding for o in together],
+            "alone": [o.outputs.embedding for o in alone],
+            "stats": llm.collective_rpc("get_recompile_stats")[0],
+        }
+    finally:
+        del llm
+        gc.collect()
+
+
+def main(job: dict) -> None:
+    for name, case in job["cases"].items():
+        try:
+            result = run_case(case)
+        except Exception as exc:  # report, and let the next case run
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"RESULT {name} " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

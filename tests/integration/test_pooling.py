@@ -1,0 +1,205 @@
+"""Pooling models (`runner="pooling"`, embeddings) on the HPU platform in CPU emulation.
+
+Two tiny models: the random Llama as a decoder embedding model (vLLM's default for it: the last
+token's hidden state, L2-normalised) and a tiny BERT, an encoder-only model whose attention is
+bidirectional (`AttentionType.ENCODER_ONLY`, no KV cache), mean-pooled and L2-normalised. Both are
+compared with transformers computing the same pooling on its own hidden states. The offline
+cases run in one job process (pooling_job.py); one server answers `/v1/embeddings`.
+
+The prompts (1 to 300 tokens) are embedded together, so prompts of mixed lengths share bucketed
+steps (packed rows, a one-token prompt in the decode part), and again one by one: both must equal
+the reference, and no step may need a shape warmup did not run.
+
+Engines run with enforce_eager=True: the embeddings are checked on the eager bucketed path.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.generation import make_prompts, named_job_outputs, run_job
+from tests.integration.test_serve import _free_port, _log_tail, _stop
+from vllm_gaudi_platform import tinymodels
+
+pytestmark = pytest.mark.engine
+
+JOB = Path(__file__).with_name("pooling_job.py")
+# float32 on both sides; the largest difference measured is ~1e-6 (unit-norm vectors).
+TOLERANCE = 1e-4
+STARTUP_TIMEOUT_S = 240
+ENGINE = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 64 << 20,
+    "seed": 0,
+    "enforce_eager": True,
+}
+BERT_POOLER = {"seq_pooling_type": "MEAN"}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, str]:
+    return {"llama": str(tinymodels.build("llama")), "bert": str(tinymodels.build("bert"))}
+
+
+def hf_embeddings(model: str, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+    """transformers' final hidden states, pooled (`last` token or `mean` over the prompt) and
+    L2-normalised, one prompt at a time (no padding)."""
+    import torch
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = hf(input_ids=torch.tensor([prompt])).last_hidden_state[0]
+            pooled = hidden[-1] if pooling == "last" else hidden.mean(dim=0)
+            out.append(torch.nn.functional.normalize(pooled, dim=-1).tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(models, prompts) -> dict[str, list[list[float]]]:
+    return {
+        "llama": hf_embeddings(models["llama"], prompts, "last"),
+        "bert": hf_embeddings(models["bert"], prompts, "mean"),
+    }
+
+
+@pytest.fixture(scope="module")
+def offline(models, prompts) -> dict[str, dict]:
+    """Both offline cases, run in one job process."""
+    cases = {
+        "llama": {"model": models["llama"], "prompts": prompts, "engine": ENGINE},
+        "bert": {
+            "model": models["bert"],
+            "prompts": prompts,
+            "engine": {**ENGINE, "pooler_config": BERT_POOLER},
+        },
+    }
+    proc = run_job(JOB, json.dumps({"cases": cases}), timeout=900)
+    results = named_job_outputs(proc)
+    for name in cases:
+        result = results.get(name)
+        if result is None or "error" in result:
+            pytest.fail(
+                f"pooling job case {name}: {result}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            )
+    return results
+
+
+def max_error(ours: list[list[float]], ref: list[list[float]]) -> float:
+    import torch
+
+    assert len(ours) == len(ref)
+    return max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(ours, ref))
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_embeddings_of_mixed_length_batch_equal_transformers(name, offline, references):
+    err = max_error(offline[name]["together"], references[name])
+    print(f"{name}: largest embedding difference {err:.2e}")
+    assert err < TOLERANCE, f"{name}: largest embedding difference {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_embeddings_of_single_prompts_equal_transformers(name, offline, references):
+    err = max_error(offline[name]["alone"], references[name])
+    print(f"{name}: largest embedding difference {err:.2e}")
+    assert err < TOLERANCE, f"{name}: largest embedding difference {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_pooling_model_runs_no_shape_after_warmup_that_warmup_did_not(name, offline):
+    stats = offline[name]["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["warmup_seconds"] is not None  # warmup ran (and skipped compute_logits)
+
+
+@pytest.fixture(scope="module")
+def bert_server(models, clean_env, tmp_path_factory) -> Iterator[str]:
+    """Base URL of `vllm serve` (the OpenAI server module) running the tiny BERT for
+    embeddings; always stopped at teardown."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve-pooling") / "server.log"
+    env = {k: v for k, v in clean_env().items() if not k.startswith("VLLM_")}
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        models["bert"],
+        "--runner",
+        "pooling",
+        "--pooler-config",
+        json.dumps(BERT_POOLER),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(ENGINE["max_model_len"]),
+        "--max-num-batched-tokens",
+        str(ENGINE["max_num_batched_tokens"]),
+        "--kv-cache-memory-bytes",
+        str(ENGINE["kv_cache_memory_bytes"]),
+        "--enforce-eager",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
+            try:
+                if httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
+            time.sleep(1)
+        yield base
+    finally:
+        _stop(proc)
+
+
+def test_v1_embeddings_of_served_bert_equal_transformers(bert_server, models, prompts, references):
+    resp = httpx.post(
+        f"{bert_server}/v1/embeddings",
+        json={"model": models["bert"], "input": prompts},
+        timeout=120,
+        trust_env=False,
+    )
+    assert resp.status_code == 200, resp.text
+    data = sorted(resp.json()["data"], key=lambda item: item["index"])
+    err = max_error([item["embedding"] for item in data], references["bert"])
+    print(f"/v1/embeddings: largest embedding difference {err:.2e}")
+    assert err < TOLERANCE, f"/v1/embeddings: largest embedding difference {err:.2e}"
