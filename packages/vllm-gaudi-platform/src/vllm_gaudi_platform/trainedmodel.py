@@ -23,19 +23,21 @@ count (1 or 2 threads give identical bytes, which the unit tests check); they ma
 the last bits between CPU instruction sets.
 
 Recipe: at a budget of a few CPU minutes, a small model that sees many tokens beats a bigger one
-that sees few. 2 layers of width 128 (0.66 M weights, 40 % of them the tied embedding), 1500
-steps of 8 x 128 tokens (12 passes over the 100 k training tokens), peak learning rate 3e-3:
-held-out perplexity 52.3 (1.58 bits per byte), where an interpolated bigram model of the same
-tokens scores 75.8 and unigram frequencies 524. The previous recipe (4 layers of width 192, 400
-steps, lr 5e-3) cost 3x as much per token and reached 137 (1.96 bits per byte): it stopped long
-before it had learned even the bigram statistics.
+that sees few. 2 layers of width 128 (0.66 M weights, 40 % of them the tied embedding), 1200
+steps of 8 x 128 tokens (10 passes over the 100 k training tokens), peak learning rate 3e-3:
+held-out perplexity 55.4 (1.60 bits per byte), where an interpolated bigram model of the same
+tokens scores 75.8 and unigram frequencies 524 (1500 steps: 52.3, 25 % more time). The previous
+recipe (4 layers of width 192, 400 steps, lr 5e-3) cost 3x as much per token and reached 137
+(1.96 bits per byte): it stopped long before it had learned even the bigram statistics.
 
-Speed: 1500 steps took 488 s on one thread at low priority beside other jobs (load 3). On a busy
-machine two OpenMP threads are much worse than one: every one of the hundreds of small parallel
-regions in a step waits at a barrier for a thread the kernel has descheduled; a 16 x 128 step
-of the earlier, larger model measured at 0.56 s idle took 9 s beside other CPU-bound processes,
-one thread 6 s. So training uses as many threads (at most MAX_TRAIN_THREADS) as there are
-idle cores.
+Speed: a step costs 0.20 s of one core (CPU time, 1 thread), 240 s for the 1200 steps; two idle
+cores should bring that to about 2.5 minutes (the earlier model's steps took 0.58x as long on
+two threads as on one), plus 12 s for the tokenizer. Measured: 296 s on one thread at low
+priority beside other jobs (load 2.5 to 4). On a busy machine two OpenMP threads are much worse
+than one: every one of the hundreds of small parallel regions in a step waits at a barrier for
+a thread the kernel has descheduled; a 16 x 128 step of the earlier, larger model measured at
+0.56 s idle took 9 s beside other CPU-bound processes, one thread 6 s. So training uses as many
+threads (at most MAX_TRAIN_THREADS) as there are idle cores.
 
 Cache: the model is saved under `tinymodels.cache_root()` in a folder named by a hash of the model
 config, seed, corpus and training recipe, so a second run starts at once. It is built in a
@@ -87,7 +89,7 @@ CONFIG: dict[str, Any] = {
 
 # Everything that changes the weights is in here (and in the cache key).
 RECIPE: dict[str, Any] = {
-    "steps": 1500,
+    "steps": 1200,
     "batch_size": 8,
     "seq_len": 128,
     "peak_lr": 3e-3,
