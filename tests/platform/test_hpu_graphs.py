@@ -157,3 +157,18 @@ def test_a_step_of_another_bucket_is_refused(emulated):
     static = static_metadata(_metadata([1, 1], [5, 5], plan))
     with pytest.raises(GraphStepError, match="differ from the graph's"):
         copy_metadata(static, _metadata([1, 1, 1], [5, 5, 5], plan))
+
+
+def test_a_step_on_another_attention_branch_does_not_replay_the_graph(emulated):
+    from vllm_gaudi_platform.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+
+    plan = _plan(prompt=[(1, 16, 0)])
+    one = _metadata([8], [0], plan)  # one sequence in the row: causal fast path
+    packed = _metadata([5, 5], [0, 0], plan)  # two sequences share the row: masked path
+    assert one.layout.buckets == packed.layout.buckets
+    assert packed.prefill_packed and not one.prefill_packed
+    graphs = BucketGraphs(enabled=True)
+    entry = BucketGraph(graph=None, metadata={"layer": static_metadata(one)})
+    assert graphs.fits(entry, {"layer": _metadata([6], [0], plan)})
+    assert not graphs.fits(entry, {"layer": packed})
+    assert graphs.stats.eager_steps == 1 and graphs.stats.variant_misses == 1

@@ -60,6 +60,24 @@ def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
     )
 
 
+def same_variant(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> bool:
+    """Whether a step can replay the graph captured with `static`: same buckets, and the same
+    value of every non-tensor field the attention code branches on (e.g. `prefill_packed`,
+    which picks the masked path over the causal fast path). A graph records one branch."""
+    if step.layout.buckets != static.layout.buckets:
+        return False
+    for f in dataclasses.fields(static):
+        if f.name in _FIXED_FIELDS:
+            continue
+        mine, theirs = getattr(static, f.name), getattr(step, f.name)
+        if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
+            if (mine is None) != (theirs is None):
+                return False
+        elif mine != theirs:
+            return False
+    return True
+
+
 def copy_metadata(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> None:
     """Write one step's metadata into the bucket's static metadata, in place."""
     if step.layout.buckets != static.layout.buckets:
@@ -103,6 +121,7 @@ class GraphStats:
     capture_seconds: float = 0.0
     replays: int = 0
     eager_steps: int = 0  # serving steps with no graph (mixed prefill + decode, unplanned)
+    variant_misses: int = 0  # of those: a graph of the buckets exists but for another branch
     eager_buckets: dict[tuple, int] = field(default_factory=dict)
 
 
@@ -139,6 +158,17 @@ class BucketGraphs:
         self.graphs[key] = BucketGraph(graph=graph, metadata=metadata)
         self.stats.captured = len(self.graphs)
         return out
+
+    def fits(self, entry: BucketGraph, step_metadata: Mapping[str, Any]) -> bool:
+        """Whether the step's metadata matches the graph's branch (see `same_variant`); a step
+        that does not runs eagerly and is counted as an eager step."""
+        ok = all(
+            same_variant(static, step_metadata[name]) for name, static in entry.metadata.items()
+        )
+        if not ok:
+            self.stats.eager_steps += 1
+            self.stats.variant_misses += 1
+        return ok
 
     def replay(
         self,

@@ -336,10 +336,12 @@ class HPUModelRunner(GPUModelRunner):
                 inputs_embeds=inputs_embeds,
                 **model_kwargs,
             )
-        assert input_ids is not None and positions is not None
-        ids, pos = input_ids, positions
         step_metadata = get_forward_context().attn_metadata
         assert isinstance(step_metadata, dict)
+        if not self.graphs.fits(entry, step_metadata):
+            return super()._model_forward(input_ids=input_ids, positions=positions)
+        assert input_ids is not None and positions is not None
+        ids, pos = input_ids, positions
         return self.graphs.replay(
             entry,
             step_metadata,
