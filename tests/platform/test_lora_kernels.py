@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm.lora.layers import LoRAMapping
 
-from vllm_gaudi_platform.lora import PunicaWrapperHPU, warmup_mapping
+from vllm_gaudi_platform.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
 from vllm_gaudi_platform.seam import emulated as kernels
 
 SLOTS, RANK, IN, OUT = 3, 8, 48, 40
@@ -145,5 +145,23 @@ def test_warmup_mapping_mixes_every_adapter_and_the_base_model():
 
 def test_punica_wrapper_refuses_mixture_of_experts_lora_by_name(emulated):
     wrapper = PunicaWrapperHPU(max_num_batched_tokens=4, max_batches=2, device="cpu")
-    with pytest.raises(NotImplementedError, match="mixture-of-experts.*--enable-lora"):
+    with pytest.raises(NotImplementedError, match=r"mixture-of-experts.*--enable-lora"):
         wrapper.add_lora_w13(torch.zeros(1), torch.zeros(1))
+
+
+def test_unwarmed_lora_shapes_ignore_the_token_count_and_report_a_new_width(emulated):
+    wrapper = _wrapper(TOKEN_SLOTS, 0)
+    x = torch.randn(len(TOKEN_SLOTS), IN)
+    lora_a = (torch.randn(SLOTS, 1, RANK, IN),)
+    lora_b = (torch.randn(SLOTS, 1, OUT, RANK),)
+    wrapper.add_lora_linear(torch.zeros(len(TOKEN_SLOTS), OUT), x, lora_a, lora_b, 1.0, (OUT,))
+    warmed = set(wrapper.shapes)
+    wrapper.add_lora_linear(torch.zeros(3, OUT), x[:3], lora_a, lora_b, 1.0, (OUT,))
+    assert unwarmed_shapes(wrapper, warmed) == []
+    narrow_a = (torch.randn(SLOTS, 1, RANK // 2, IN),)
+    narrow_b = (torch.randn(SLOTS, 1, OUT, RANK // 2),)
+    wrapper.add_lora_linear(torch.zeros(3, OUT), x[:3], narrow_a, narrow_b, 1.0, (OUT,))
+    assert unwarmed_shapes(wrapper, warmed) == [
+        ("expand", RANK // 2, SLOTS, RANK // 2, OUT),
+        ("shrink", IN, SLOTS, RANK // 2, RANK // 2),
+    ]

@@ -31,9 +31,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 NO_ADAPTER = -1  # slot index of tokens that use the base model only (vLLM's convention)
-# The LoRA lm_head runs on the rows being sampled, like the base lm_head's logits matmul: one row
-# per request, a count the forward-pass buckets do not fix. Its shapes are recorded under their own
-# names and left out of the warmup check, which covers the bucketed forward pass.
+# The LoRA lm_head runs on the rows being sampled (one per request), like the base lm_head.
 LOGITS_SHRINK, LOGITS_EXPAND = "logits-shrink", "logits-expand"
 MOE_LORA_UNSUPPORTED = (
     "LoRA on mixture-of-experts layers is not supported on HPU by vllm-gaudi yet; serve this "
@@ -288,7 +286,12 @@ def punica_wrapper_of(lora_manager: Any) -> PunicaWrapperHPU:
 
 
 def unwarmed_shapes(wrapper: PunicaWrapperHPU, warmed: set[tuple]) -> list[tuple]:
-    """Forward-pass LoRA kernel shapes run since warmup that warmup did not run (each is a compile
-    on Gaudi); the lm_head's per-request shapes are not bucketed (see LOGITS_SHRINK)."""
-    logits = (LOGITS_SHRINK, LOGITS_EXPAND)
-    return sorted(shape for shape in wrapper.shapes - warmed if shape[0] not in logits)
+    """LoRA kernel widths run since warmup that warmup did not run: (kernel, input width, slots,
+    rank, output width), the token count left out. The token count is the step's padded size,
+    the same for the base layers and their LoRA (the runner's bucket tracker counts it); what
+    LoRA itself could add is a new width, e.g. an adapter's own rank instead of max_lora_rank."""
+
+    def widths(shapes: set[tuple]) -> set[tuple]:
+        return {(shape[0], *shape[2:]) for shape in shapes}
+
+    return sorted(widths(wrapper.shapes) - widths(warmed))
