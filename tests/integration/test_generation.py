@@ -50,6 +50,22 @@ def test_greedy_tokens_match_vllm_cpu_backend(hpu, model, prompts):
     assert_close(hpu["rounds"][0], cpu["rounds"][0], "HPU emulation vs vLLM CPU backend")
 
 
+def test_greedy_outputs_with_async_scheduling_equal_outputs_without(hpu, model, prompts):
+    # The module's engine runs with vLLM's default, async scheduling on: step N's sampled tokens
+    # stay on the device and become step N+1's input ids there.
+    assert hpu["stats"]["async_scheduling"] is True
+    proc, sync = run_engine(model, prompts, emulate=True, engine={"async_scheduling": False})
+    assert sync is not None, proc.stderr[-4000:]
+    assert sync["stats"]["async_scheduling"] is False
+    overlapped, plain = hpu["rounds"][0], sync["rounds"][0]
+    assert [r["tokens"] for r in overlapped] == [r["tokens"] for r in plain]
+    for a, s in zip(overlapped, plain):
+        for step_a, step_s in zip(a["logprobs"], s["logprobs"]):
+            assert step_a.keys() == step_s.keys()
+            for token, logprob in step_s.items():
+                assert abs(step_a[token] - logprob) < 1e-4
+
+
 def test_prefix_cache_hits_give_the_same_tokens(hpu):
     assert_close(hpu["rounds"][1], hpu["rounds"][0], "prefix-cached round vs first round")
 

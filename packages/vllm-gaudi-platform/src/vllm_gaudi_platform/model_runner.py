@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -78,16 +78,36 @@ class RecompileTracker:
 
 
 @contextlib.contextmanager
-def _without_cuda_handles():
-    """vLLM's runner constructor makes CUDA events/streams; off CUDA they are no-ops."""
+def _cuda_streams_on_seam() -> Iterator[None]:
+    """Route the CUDA stream/event API that vLLM's runner calls to the seam's streams and events.
+
+    The constructor makes events and streams; under async scheduling each step also records an
+    event on the input preparation and copies the sampled tokens to the host on a side stream
+    (`AsyncGPUModelRunnerOutput`). On a Gaudi these become HPU streams and events; in emulation
+    the seam's are exact for a CPU that finishes every op before returning.
+    """
     seam = seam_backend()
-    saved = torch.Event, torch.cuda.Stream
-    # A process-wide patch for the constructor's duration (see the ledger in the drift guard).
-    torch.Event, torch.cuda.Stream = seam.Event, seam.Stream  # type: ignore[misc, assignment]
+
+    def event(*args: Any, blocking: bool | None = None, **kwargs: Any) -> Any:
+        # CUDA's `blocking` (sleep rather than spin while waiting) has no HPU counterpart.
+        return seam.Event(*args, **kwargs)
+
+    patched = {
+        (torch, "Event"): seam.Event,
+        (torch.cuda, "Event"): event,
+        (torch.cuda, "Stream"): seam.Stream,
+        (torch.cuda, "current_stream"): seam.current_stream,
+        (torch.cuda, "stream"): seam.stream,
+    }
+    # Process-wide, for the duration of the call only (see the ledger in the drift guard).
+    saved = {key: getattr(*key) for key in patched}
+    for (module, name), value in patched.items():
+        setattr(module, name, value)
     try:
         yield
     finally:
-        torch.Event, torch.cuda.Stream = saved  # type: ignore[misc]
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
 
 
 class _WarmupProgress:
@@ -135,7 +155,7 @@ class HPUModelRunner(GPUModelRunner):
         budget = sched.max_num_batched_tokens
         sched.max_num_batched_tokens = budget + sched.max_num_seqs
         try:
-            with _without_cuda_handles():
+            with _cuda_streams_on_seam():
                 super().__init__(vllm_config, device)
         finally:
             sched.max_num_batched_tokens = budget
@@ -274,10 +294,18 @@ class HPUModelRunner(GPUModelRunner):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._planning = True
         try:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+            with _cuda_streams_on_seam():
+                return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._planning = False
             step_layout.set_current(None)
+
+    def sample_tokens(self, grammar_output):
+        """vLLM's sampling step; under async scheduling it returns before the sampled tokens
+        reach the host (an `AsyncGPUModelRunnerOutput` copying them on a side stream) and keeps
+        them on the device for the next step's input ids."""
+        with _cuda_streams_on_seam():
+            return super().sample_tokens(grammar_output)
 
     def _determine_batch_execution_and_padding(
         self,

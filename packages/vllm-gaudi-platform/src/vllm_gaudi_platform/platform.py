@@ -245,8 +245,7 @@ class HpuPlatform(Platform):
         # Gaudi's runtime (and a torch that already holds threads) cannot be forked safely.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
-        scheduler_config = vllm_config.scheduler_config
-        scheduler_config.async_scheduling = False
+        _check_async_scheduling(vllm_config)
 
         compilation_config = vllm_config.compilation_config
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
@@ -348,6 +347,38 @@ class HpuPlatform(Platform):
         decode instances of one host onto the same core.
         """
         return []
+
+
+def _check_async_scheduling(vllm_config: VllmConfig) -> None:
+    """Keep vLLM's choice of async scheduling (on by default since vLLM resolves `None` to on),
+    except for configurations the HPU runner does not run with it, which get it off and a log
+    line saying why.
+
+    With async scheduling the engine schedules step N+1 and the runner prepares its inputs
+    (metadata, bucket padding) while step N runs on the device; step N's sampled tokens stay on
+    the device and are scattered into step N+1's input ids there. On a Gaudi in lazy mode the
+    forward returns before the device finishes, so that host work is hidden. In CPU emulation
+    every op finishes before it returns: nothing overlaps, and what CI checks is that the code
+    path (placeholder tokens, device-side input ids, the deferred output copy) gives the same
+    outputs as synchronous scheduling.
+    """
+    scheduler_config = vllm_config.scheduler_config
+    if not scheduler_config.async_scheduling:
+        return
+    reason = None
+    model_config = vllm_config.model_config
+    if vllm_config.speculative_config is not None:
+        # vLLM itself turns it off (or refuses an explicit request) for the n-gram drafter, the
+        # one HPU runs; any other method is refused by check_speculative_config.
+        reason = (
+            "speculative decoding: the n-gram drafter reads the sampled tokens on the host, "
+            "which async scheduling leaves on the device"
+        )
+    elif model_config is not None and model_config.runner_type == "pooling":
+        reason = "pooling models: a pooling step samples no token for the next step to overlap"
+    if reason is not None:
+        logger.info("Async scheduling is off on HPU for %s.", reason)
+        scheduler_config.async_scheduling = False
 
 
 def _check_bucketing(vllm_config: VllmConfig) -> None:

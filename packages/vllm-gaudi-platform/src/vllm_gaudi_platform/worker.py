@@ -198,18 +198,19 @@ class HPUWorker(Worker):
         runner = self.model_runner
         return {
             "recompiles": runner.recompiles.count,
+            "async_scheduling": runner.use_async_scheduling,
             "unwarmed_buckets": [vars(b) for b in runner.recompiles.seen],
             "warmup_seconds": runner.warmup_seconds,
             "bucket_plan": runner.bucket_plan.describe(),
             "num_prompt_buckets": len(runner.bucket_plan.prompt),
             "num_decode_buckets": len(runner.bucket_plan.decode),
             "num_verify_buckets": sum(b.phase == "verify" for b in runner.bucket_plan.prompt),
+            "lora_unwarmed_shapes": [list(shape) for shape in runner.lora_unwarmed_shapes()],
             "graphs_enabled": runner.graphs.enabled,
             "num_graphs": len(runner.graphs.graphs),
             "graph_capture_seconds": runner.graphs.stats.capture_seconds,
             "graph_replays": runner.graphs.stats.replays,
             "eager_steps": runner.graphs.stats.eager_steps,
-            "lora_unwarmed_shapes": [list(shape) for shape in runner.lora_unwarmed_shapes()],
         }
 
     def check_health(self) -> None:

@@ -11,7 +11,8 @@ Facts the platform used to infer from `DEVICE_TYPE == "hpu"` are stated here by 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +54,12 @@ class HpuBackend(Protocol):
     # sequences and dataclasses are walked); the caller must update them IN PLACE between replays.
     @property
     def Graph(self) -> type: ...
+
+    # The stream work is issued on now, and a context that issues its body's work on another
+    # (vLLM's runner copies sampled tokens to the host on a side stream under async scheduling).
+    def current_stream(self) -> Any: ...
+
+    def stream(self, stream: Any) -> AbstractContextManager[Any]: ...
 
     # ------------------------------------------------------------------ device runtime
     def torch_device(self, index: int = 0) -> torch.device: ...

@@ -7,9 +7,11 @@ layouts, same results (up to floating-point rounding). Emulation never claims to
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -78,6 +80,9 @@ def mark_step() -> None:
     """Lazy-mode graph flush. Eager CPU execution has nothing to flush."""
 
 
+# Streams and events. The CPU runs every op to completion, in issue order, before the call
+# returns: there is one stream, and an event recorded after some work is already complete. So
+# these are exact, not approximate: waiting on anything has nothing left to wait for.
 class Stream:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
@@ -168,6 +173,16 @@ def _graph_inputs(
             if not f.name.startswith("_"):
                 _graph_inputs(getattr(value, f.name), f"{name}.{f.name}", out)
     return out
+
+
+def current_stream() -> Stream:
+    """The stream work is issued on now: the CPU's single ordered stream."""
+    return Stream()
+
+
+def stream(stream: Any) -> AbstractContextManager[Any]:
+    """Issue the body's work on `stream`; the CPU has a single stream, so nothing changes."""
+    return contextlib.nullcontext()
 
 
 # ----------------------------------------------------------------------------- fused kernels

@@ -7,6 +7,7 @@ Thin wrappers providing `contract.HpuBackend`, the same API as `emulated.py`. No
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import habana_frameworks.torch as htorch  # noqa: F401 - registers the hpu device with torch
@@ -84,6 +85,19 @@ class Graph:
             self._output = fn()
             self._graph.capture_end()
         return self._output
+
+    def replay(self, inputs: Mapping[str, Any]) -> Any:
+        """Replay the recording; returns the captured output tensors, now holding new results."""
+        self._graph.replay()
+        return self._output
+
+
+def current_stream() -> Any:
+    return hthpu.current_stream()
+
+
+def stream(stream: Any) -> AbstractContextManager[Any]:
+    return hthpu.stream(stream)
 
 
 def fused_sdpa(
