@@ -7,7 +7,10 @@ emulation, vLLM's own CPU backend) runs in its own process through this script:
 
 Job keys: model (path), prompts (lists of token ids), max_tokens, engine (LLM kwargs),
 rounds (how many times to submit the prompts; later rounds hit the prefix cache), stats (bool:
-also report the HPU runner's recompile statistics).
+also report the HPU runner's recompile statistics), reallocate_input_ids (bool: then inject a
+runner bug, a fresh input_ids buffer after the graphs were captured, generate once more and
+report the error as `after_reallocation`; needs the engine in-process,
+VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations
@@ -46,7 +49,23 @@ def run(job: dict) -> dict:
     }
     if job.get("stats"):
         result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
+    if job.get("reallocate_input_ids"):
+        llm.collective_rpc(_reallocate_input_ids)
+        try:
+            llm.generate(prompts[:1], params, use_tqdm=False)
+            result["after_reallocation"] = "generated"
+        except Exception as exc:
+            result["after_reallocation"] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _reallocate_input_ids(worker) -> None:
+    """The runner bug HPU graphs must catch: the token-id buffer the graphs captured is replaced
+    by a new one, so later steps write their ids where no graph reads them."""
+    import torch
+
+    runner = worker.model_runner
+    runner.input_ids = runner._make_buffer(runner.max_num_tokens, dtype=torch.int32)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,7 @@ def run_engine(
     env: dict[str, str] | None = None,
     engine: dict | None = None,
     timeout: int = 600,
+    extra: dict | None = None,
 ) -> tuple[subprocess.CompletedProcess, dict | None]:
     job = {
         "model": model,
@@ -113,6 +114,7 @@ def run_engine(
         "engine": {**ENGINE, **(engine or {})},
         "rounds": rounds,
         "stats": emulate,
+        **(extra or {}),  # further engine_job.py keys
     }
     proc = run_job(JOB, json.dumps(job), env, emulate=emulate, timeout=timeout)
     return proc, job_output(proc)

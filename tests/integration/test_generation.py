@@ -75,3 +75,19 @@ def test_mixed_lengths_after_warmup_cause_no_recompiles(hpu):
     assert stats["num_prompt_buckets"] > 0 and stats["num_decode_buckets"] > 0
     assert stats["warmup_seconds"] is not None
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+def test_graph_replay_refuses_an_input_buffer_reallocated_after_capture(model, prompts):
+    # In-process engine: the injected bug and the runner's error stay in this job's process.
+    proc, result = run_engine(
+        model,
+        prompts[:1],
+        emulate=True,
+        max_tokens=2,
+        env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        extra={"reallocate_input_ids": True},
+    )
+    assert result is not None, proc.stderr[-4000:]
+    error = result["after_reallocation"]
+    assert error.startswith("GraphInputError"), error
+    assert "input_ids is a different buffer than at capture" in error
