@@ -50,16 +50,22 @@ def test_greedy_tokens_match_vllm_cpu_backend(hpu, model, prompts):
     assert_close(hpu["rounds"][0], cpu["rounds"][0], "HPU emulation vs vLLM CPU backend")
 
 
-def test_greedy_outputs_with_async_scheduling_equal_outputs_without(hpu, model, prompts):
-    # The module's engine runs with vLLM's default, async scheduling on: step N's sampled tokens
-    # stay on the device and become step N+1's input ids there.
-    assert hpu["stats"]["async_scheduling"] is True
-    proc, sync = run_engine(model, prompts, emulate=True, engine={"async_scheduling": False})
-    assert sync is not None, proc.stderr[-4000:]
-    assert sync["stats"]["async_scheduling"] is False
-    overlapped, plain = hpu["rounds"][0], sync["rounds"][0]
-    assert [r["tokens"] for r in overlapped] == [r["tokens"] for r in plain]
-    for a, s in zip(overlapped, plain):
+def test_greedy_outputs_with_graphs_and_async_scheduling_equal_a_plain_eager_engine(
+    hpu, model, prompts
+):
+    # The module's engine runs with the defaults: HPU graphs replayed for every warmed bucket and
+    # async scheduling (step N's sampled tokens stay on the device as step N+1's input ids). One
+    # comparison engine turns both off, so either feature changing a token fails this test.
+    assert hpu["stats"]["async_scheduling"] is True and hpu["stats"]["graphs_enabled"]
+    proc, plain = run_engine(
+        model, prompts, emulate=True, engine={"async_scheduling": False, "enforce_eager": True}
+    )
+    assert plain is not None, proc.stderr[-4000:]
+    assert plain["stats"]["async_scheduling"] is False
+    assert not plain["stats"]["graphs_enabled"] and plain["stats"]["num_graphs"] == 0
+    fast, eager = hpu["rounds"][0], plain["rounds"][0]
+    assert [r["tokens"] for r in fast] == [r["tokens"] for r in eager]
+    for a, s in zip(fast, eager):
         for step_a, step_s in zip(a["logprobs"], s["logprobs"]):
             assert step_a.keys() == step_s.keys()
             for token, logprob in step_s.items():
@@ -75,6 +81,13 @@ def test_mixed_lengths_after_warmup_cause_no_recompiles(hpu):
     assert stats["num_prompt_buckets"] > 0 and stats["num_decode_buckets"] > 0
     assert stats["warmup_seconds"] is not None
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+def test_every_warmed_bucket_has_a_graph_replayed_by_serving_steps(hpu):
+    stats = hpu["stats"]
+    assert stats["graphs_enabled"]
+    assert stats["num_graphs"] == stats["num_prompt_buckets"] + stats["num_decode_buckets"]
+    assert stats["graph_replays"] > 0
 
 
 def test_graph_replay_refuses_an_input_buffer_reallocated_after_capture(model, prompts):
