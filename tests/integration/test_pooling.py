@@ -11,23 +11,21 @@ The prompts (1 to 300 tokens) are embedded together, so prompts of mixed lengths
 steps (packed rows, a one-token prompt in the decode part), and again one by one: both must equal
 the reference, and no step may need a shape warmup did not run.
 
-Engines run with enforce_eager=True: the embeddings are checked on the eager bucketed path.
+Engines run with the platform's defaults, HPU graphs on: the embeddings come from replayed
+graphs wherever a step's bucket has one.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.integration import openai_server
 from tests.integration.generation import make_prompts, named_job_outputs, run_job
-from tests.integration.test_serve import _free_port, _log_tail, _stop
 from vllm_gaudi_platform import tinymodels
 
 pytestmark = pytest.mark.engine
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.engine
 JOB = Path(__file__).with_name("pooling_job.py")
 # float32 on both sides; the largest difference measured is below 5e-7 (unit-norm vectors).
 TOLERANCE = 1e-4
-STARTUP_TIMEOUT_S = 240
 ENGINE = {
     "dtype": "float32",
     "max_model_len": 512,
@@ -43,7 +40,6 @@ ENGINE = {
     "max_num_batched_tokens": 512,
     "kv_cache_memory_bytes": 64 << 20,
     "seed": 0,
-    "enforce_eager": True,
 }
 BERT_POOLER = {"seq_pooling_type": "MEAN"}
 
@@ -126,26 +122,14 @@ def test_offline_pooling_model_runs_no_shape_after_warmup_that_warmup_did_not(of
 def bert_server(models, clean_env, tmp_path_factory) -> Iterator[str]:
     """Base URL of `vllm serve` (the OpenAI server module) running the tiny BERT for
     embeddings; always stopped at teardown."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve-pooling") / "server.log"
-    env = {k: v for k, v in clean_env().items() if not k.startswith("VLLM_")}
-    env["VLLM_HPU_EMULATION"] = "cpu"
-    # Dev mode adds POST /collective_rpc (loopback only): the recompile statistics.
-    env["VLLM_SERVER_DEV_MODE"] = "1"
     args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
         "--model",
         models["bert"],
         "--runner",
         "pooling",
         "--pooler-config",
         json.dumps(BERT_POOLER),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--dtype",
         "float32",
         "--max-model-len",
@@ -154,34 +138,9 @@ def bert_server(models, clean_env, tmp_path_factory) -> Iterator[str]:
         str(ENGINE["max_num_batched_tokens"]),
         "--kv-cache-memory-bytes",
         str(ENGINE["kv_cache_memory_bytes"]),
-        "--enforce-eager",
     ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
+    with openai_server.running(args, openai_server.server_env(clean_env()), log) as base:
         yield base
-    finally:
-        _stop(proc)
 
 
 def embed_over_http(base: str, model: str, prompts: list[list[int]]) -> list[list[float]]:

@@ -12,57 +12,30 @@ step N runs), so these also check it against transformers, which has none.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.integration import openai_server
 from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
 from vllm_gaudi_platform import tinymodels
 
 pytestmark = pytest.mark.engine
 
 MAX_TOKENS = 12
-STARTUP_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 120  # clients ignore proxy variables (trust_env=False): loopback only
 NUM_CONCURRENT = 32
 CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _log_tail(log: Path, chars: int = 6000) -> str:
-    try:
-        return log.read_text(errors="replace")[-chars:]
-    except OSError:
-        return "<no server log>"
-
-
-def _server_args(model: str, port: int) -> list[str]:
+def _server_args(model: str) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
         "--model",
         model,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
         "--dtype",
         ENGINE["dtype"],
         "--max-model-len",
@@ -79,18 +52,6 @@ def _server_args(model: str, port: int) -> list[str]:
     ]
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server (it shuts its engine core and worker down), then SIGKILL whatever is
-    left of its process group."""
-    if proc.poll() is None:
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=60)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def model() -> str:
     return str(tinymodels.build("llama"))
@@ -99,39 +60,10 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def server(model, clean_env, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     """(base URL, log path) of a running server; always stopped at teardown."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    env = {k: v for k, v in clean_env().items() if not k.startswith("VLLM_")}
-    env["VLLM_HPU_EMULATION"] = "cpu"
-    # Dev mode adds POST /collective_rpc (on loopback only): the tests read the HPU worker's
-    # recompile statistics through it.
-    env["VLLM_SERVER_DEV_MODE"] = "1"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            _server_args(model, port),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group: teardown reaches every child
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{_log_tail(log)}")
-            try:
-                if httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{_log_tail(log)}")
-            time.sleep(1)
+    env = openai_server.server_env(clean_env())
+    with openai_server.running(_server_args(model), env, log) as base:
         yield base, log
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture(scope="module")

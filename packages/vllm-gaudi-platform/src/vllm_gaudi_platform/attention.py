@@ -534,15 +534,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 flat[md.slot_mapping[:n]] = torch.cat([k[:n], v[:n]], dim=-1).to(flat.dtype)
         blocks_view = flat.view(num_blocks, block_size, hk, 2 * d)
 
-        # Reorder tokens into the bucketed layout (a permutation: static shapes, no data lost).
-        # A step with one part only is usually laid out in token order already.
-        if md.identity_layout:
-            q_cells, k_cells, v_cells = q, k, v
-            out_cells = output[:total].view(total, h, d)
-        else:
-            q_cells = q[md.cell_to_token]
-            k_cells, v_cells = k[md.cell_to_token], v[md.cell_to_token]
-            out_cells = torch.empty_like(q_cells)
+        q_cells, k_cells, v_cells, out_cells = self._to_cells(q, k, v, output, md)
         layout = md.layout
         n_cells = 0
         if layout.prefill is not None:
@@ -562,8 +554,27 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
             out_cells[n_cells : n_cells + bsz] = self._decode(
                 q_cells[n_cells : n_cells + bsz], blocks_view, block_size, md, layer
             )
+        return self._from_cells(out_cells, output, md)
+
+    def _to_cells(self, q, k, v, output: torch.Tensor, md: HPUAttentionMetadata):
+        """q, k, v in the bucketed cell layout, and the buffer the cells' outputs go to.
+
+        A permutation of the tokens (static shapes, no data lost); a step with one part only is
+        usually laid out in token order already, and then its cells are the tokens themselves
+        and write straight into `output`."""
+        total = md.layout.num_tokens_padded
+        if md.identity_layout:
+            return q, k, v, output[:total].view(total, self.num_heads, self.head_size)
+        cells = md.cell_to_token
+        q_cells = q[cells]
+        return q_cells, k[cells], v[cells], torch.empty_like(q_cells)
+
+    def _from_cells(self, out_cells, output: torch.Tensor, md: HPUAttentionMetadata):
+        """Write the cells' outputs back in token order (a no-op when the layout was already)."""
         if not md.identity_layout:
-            output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
+            total = md.layout.num_tokens_padded
+            view = output[:total].view(total, self.num_heads, self.head_size)
+            view.copy_(out_cells[md.token_to_cell])
         return output
 
     # ------------------------------------------------------------------ encoder-only
@@ -575,15 +586,8 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         no sequence has cached context: a one-token prompt lands in the decode part and attends
         to itself alone.
         """
-        h, d = self.num_heads, self.head_size
-        total = md.layout.num_tokens_padded
-        if md.identity_layout:
-            q_cells, k_cells, v_cells = q, k, v
-            out_cells = output[:total].view(total, h, d)
-        else:
-            q_cells = q[md.cell_to_token]
-            k_cells, v_cells = k[md.cell_to_token], v[md.cell_to_token]
-            out_cells = torch.empty_like(q_cells)
+        h = self.num_heads
+        q_cells, k_cells, v_cells, out_cells = self._to_cells(q, k, v, output, md)
         n_cells = 0
         p = md.layout.prefill
         if p is not None:
@@ -596,9 +600,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
             bsz = md.layout.decode.batch_bucket
             own = v_cells[n_cells : n_cells + bsz]
             out_cells[n_cells : n_cells + bsz] = own.repeat_interleave(h // own.shape[1], dim=1)
-        if not md.identity_layout:
-            output[:total].view(total, h, d).copy_(out_cells[md.token_to_cell])
-        return output
+        return self._from_cells(out_cells, output, md)
 
     def _encoder_prefill(self, q, k, v, md: HPUAttentionMetadata) -> torch.Tensor:
         """Bidirectional prefill over the [rows, query_bucket] grid: one sequence per row takes

