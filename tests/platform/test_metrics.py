@@ -129,7 +129,8 @@ def test_only_the_first_rank_of_an_engine_writes_the_channel():
 @pytest.fixture
 def registry(monkeypatch):
     """A fresh Prometheus registry standing in for the process-wide one."""
-    prometheus_client = pytest.importorskip("prometheus_client")
+    import prometheus_client  # a vLLM dependency: installed with the engine by the set-up
+
     fresh = prometheus_client.CollectorRegistry()
     from vllm_gaudi_platform import stat_logger
 
