@@ -27,9 +27,10 @@ fi
 
 # Workspace members + dev group, exactly as locked, with the optional packages the tests exercise
 # (the quant wheel's inc extra: neural-compressor for INC FP8; the connectors wheel's nixl extra:
-# NIXL with its UCX backend, whose torch requirement the root pyproject overrides away).
+# NIXL with its UCX backend, whose torch requirement the root pyproject overrides away; the
+# platform wheel's ray extra: Ray for vLLM's Ray executor).
 # --inexact: keep the CPU engine, which the lock does not list, across re-syncs.
-uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl --python python3
+uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl --extra ray --python python3
 
 # The CPU engine is not part of the lock: on Gaudi, torch and vLLM come from Intel's image, so no
 # member may depend on them. It goes into the same venv beside the locked packages.
