@@ -177,6 +177,29 @@ class HpuBackend(Protocol):
         self, x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ MLA kernels
+    # Weight-absorbed latent attention: one KV head whose rows are [kv_lora_rank + rope_dim], the
+    # value being the first kv_lora_rank columns (see seam/latent_attention.py).
+    def mla_prefill(
+        self,
+        query: torch.Tensor,
+        latent: torch.Tensor,
+        attn_mask: torch.Tensor,
+        scale: float,
+        kv_lora_rank: int,
+    ) -> torch.Tensor: ...
+
+    def mla_paged_decode(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        block_list: torch.Tensor,
+        block_groups: torch.Tensor,
+        block_bias: torch.Tensor,
+        scale: float,
+        kv_lora_rank: int,
+    ) -> torch.Tensor: ...
+
 
 if TYPE_CHECKING:
     # The type checker proves both backend modules satisfy the Protocol.

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vllm_gaudi_platform.seam import latent_attention
 from vllm_gaudi_platform.seam.contract import GraphInputError
 
 NAME = "emulated on cpu"
@@ -656,3 +657,34 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor)
     mask = _lora_slot_mask(token_lora, slots)
     spread = (x.float().unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
     return spread @ lora_b.float().transpose(1, 2).reshape(slots * rank, width)
+
+
+# ---------------------------------------------------------------------- MLA (latent attention)
+def mla_prefill(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Weight-absorbed MLA prefill: every query head against the one latent KV head.
+
+    query [rows, heads, q_len, kv_lora_rank + rope_dim]; latent [rows, kv_len, same width];
+    attn_mask boolean [rows, 1, q_len, kv_len]. Returns [rows, heads, q_len, kv_lora_rank]."""
+    return latent_attention.latent_prefill(query, latent, attn_mask, scale, kv_lora_rank)
+
+
+def mla_paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_groups: torch.Tensor,
+    block_bias: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    """Weight-absorbed MLA decode over a flat block list of the latent cache [num_blocks,
+    block_size, kv_lora_rank + rope_dim]. Returns [batch, heads, kv_lora_rank]."""
+    return latent_attention.latent_paged_decode(
+        query, cache, block_list, block_groups, block_bias, scale, kv_lora_rank
+    )

@@ -18,6 +18,8 @@ from habana_frameworks.torch.hpex.kernels import FusedSDPA, RotaryPosEmbeddingMo
 from habana_frameworks.torch.hpex.kernels import apply_rotary_pos_emb as _hpu_rotary_pos_emb
 from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
+from vllm_gaudi_platform.seam import latent_attention
+
 NAME = "gaudi"
 DEVICE_TYPE = "hpu"
 IS_EMULATED = False
@@ -321,3 +323,30 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor)
     mask = _lora_slot_mask(token_lora, slots, lora_b.dtype)
     spread = (x.to(lora_b.dtype).unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
     return torch.matmul(spread, lora_b.transpose(1, 2).reshape(slots * rank, width)).float()
+
+
+# ---------------------------------------------------------------------- MLA (latent attention)
+# Plain tensor ops shared with the emulation: the graph compiler fuses them. FusedSDPA would need
+# the single latent head repeated over the query heads and a value narrower than the key.
+def mla_prefill(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    attn_mask: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    return latent_attention.latent_prefill(query, latent, attn_mask, scale, kv_lora_rank)
+
+
+def mla_paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_groups: torch.Tensor,
+    block_bias: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:
+    return latent_attention.latent_paged_decode(
+        query, cache, block_list, block_groups, block_bias, scale, kv_lora_rank
+    )
