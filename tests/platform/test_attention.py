@@ -22,7 +22,7 @@ def _emulation(monkeypatch):
     monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
 
 
-def _impl(window=None, softcap=None):
+def _impl(window=None, softcap=None, sinks=None, alibi=None):
     from vllm_gaudi_platform.attention import HPUAttentionImpl
 
     return HPUAttentionImpl(
@@ -32,13 +32,17 @@ def _impl(window=None, softcap=None):
         num_kv_heads=KV_HEADS,
         sliding_window=window,
         logits_soft_cap=softcap,
+        sinks=None if sinks is None else torch.tensor(sinks),
+        alibi_slopes=alibi,
     )
 
 
-def _reference(q, k_all, v_all, ctx, window=None, softcap=None):
+def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alibi=None):
     """Causal attention of q (new tokens at positions ctx..) over k_all/v_all (positions 0..), in
     float64: keys at least `window` positions behind a query are masked; with `softcap`, scores
-    become softcap * tanh(scores / softcap) before the softmax."""
+    become softcap * tanh(scores / softcap) before the softmax; with `alibi` (a slope per head),
+    scores gain slope * (key position - query position); with `sinks` (a logit per head), the
+    softmax runs over the scores and the head's sink, whose probability is dropped."""
     group = HEADS // KV_HEADS
     q = q.double()
     k = k_all.double().repeat_interleave(group, dim=1)
@@ -51,11 +55,28 @@ def _reference(q, k_all, v_all, ctx, window=None, softcap=None):
     mask = kpos <= qpos
     if window is not None:
         mask &= qpos - kpos < window
+    if alibi is not None:
+        scores = scores + torch.tensor(alibi, dtype=torch.float64)[:, None, None] * (kpos - qpos)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+    if sinks is not None:
+        sink = torch.tensor(sinks, dtype=torch.float64)[:, None, None].expand(-1, q.shape[0], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).float()
 
 
-def _run(query_lens, ctx_lens, plan, seed=0, dtype=torch.float32, window=None, softcap=None):
+def _run(
+    query_lens,
+    ctx_lens,
+    plan,
+    seed=0,
+    dtype=torch.float32,
+    window=None,
+    softcap=None,
+    sinks=None,
+    alibi=None,
+):
     """Run one step through the backend; return its outputs and the reference per request."""
     from vllm_gaudi_platform.attention import build_metadata
 
@@ -108,12 +129,12 @@ def _run(query_lens, ctx_lens, plan, seed=0, dtype=torch.float32, window=None, s
     )
     out = torch.zeros(total, HEADS * DIM, dtype=dtype)
     kv_cache = kv_cache.to(dtype)
-    impl = _impl(window, softcap)
+    impl = _impl(window, softcap, sinks, alibi)
     impl.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
     refs = [
-        _reference(queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap).reshape(
-            query_lens[i], -1
-        )
+        _reference(
+            queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap, sinks, alibi
+        ).reshape(query_lens[i], -1)
         for i in range(n)
     ]
     return out[:real].float(), torch.cat(refs), layout
@@ -238,3 +259,76 @@ def test_softcapped_mixed_step_matches_reference(window):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     uncapped, _, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=window)
     assert not torch.allclose(out, uncapped, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- attention sinks
+# A sink logit per query head (gpt-oss style): large sinks soak up most of the probability, so a
+# kernel that forgot them would be far off the reference.
+SINKS = [0.0, 2.0, -1.0, 4.0]
+ONE_SEQUENCE_PER_ROW = _plan(prompt=[(4, 32, 0)])  # the causal fast path, no mask tensor
+MIXED_STEPS = {
+    "fast-prefill": (ONE_SEQUENCE_PER_ROW, [5, 17, 32], [0, 0, 0]),
+    "packed-prefill": (_plan(prompt=[(1, 64, 4)]), [5, 17, 30], [0, 0, 0]),
+    "context-and-decode": (
+        _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)]),
+        [1, 1, 9, 20],
+        [15, 30, 0, 17],
+    ),
+    "decode": (_plan(decode=[(4, 1, 8)]), [1, 1, 1], [3, 20, 50]),
+}
+
+
+@pytest.mark.parametrize("step", sorted(MIXED_STEPS))
+def test_attention_sinks_match_reference(step):
+    plan, query_lens, ctx_lens = MIXED_STEPS[step]
+    out, ref, _ = _run(query_lens, ctx_lens, plan, sinks=SINKS)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    plain, _, _ = _run(query_lens, ctx_lens, plan)
+    assert not torch.allclose(out, plain, atol=1e-2)
+
+
+@pytest.mark.parametrize("window", [5, 20])
+def test_attention_sinks_with_a_sliding_window_match_reference(window):
+    # gpt-oss: every layer has sinks, every other layer a window.
+    plan = _plan(prompt=[(2, 16, 4)], decode=[(2, 1, 8)])
+    out, ref, _ = _run([1, 1, 7, 16], [3, 50, 40, 16], plan, window=window, sinks=SINKS)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_sinks_in_bfloat16_stay_close_to_float32_reference():
+    plan = _plan(prompt=[(2, 16, 2)], decode=[(2, 1, 4)])
+    out, ref, _ = _run([1, 12], [20, 5], plan, seed=3, dtype=torch.bfloat16, sinks=SINKS)
+    torch.testing.assert_close(out, ref, atol=5e-2, rtol=5e-2)
+
+
+# ----------------------------------------------------------------------------- ALiBi
+# Slopes steep enough that keys a few positions back lose most of their weight.
+SLOPES = [0.5, 0.25, 0.125, 0.0625]
+
+
+@pytest.mark.parametrize("step", sorted(MIXED_STEPS))
+def test_alibi_biases_match_reference(step):
+    plan, query_lens, ctx_lens = MIXED_STEPS[step]
+    out, ref, _ = _run(query_lens, ctx_lens, plan, alibi=SLOPES)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    plain, _, _ = _run(query_lens, ctx_lens, plan)
+    assert not torch.allclose(out, plain, atol=1e-2)
+
+
+def test_alibi_with_soft_capping_matches_reference():
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    out, ref, _ = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, softcap=5.0, alibi=SLOPES)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"alibi": SLOPES, "window": 20}, "ALiBi and a sliding window"),
+        ({"alibi": SLOPES, "sinks": SINKS}, "ALiBi and attention sinks"),
+        ({"sinks": SINKS, "softcap": 5.0}, "attention sinks and logit soft-capping"),
+    ],
+)
+def test_unsupported_combinations_are_refused_by_name(settings, named):
+    with pytest.raises(NotImplementedError, match=named):
+        _impl(**settings)

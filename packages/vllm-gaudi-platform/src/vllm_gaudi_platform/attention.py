@@ -81,6 +81,11 @@ class HPUAttentionBackend(AttentionBackend):
     def supports_sliding_window(cls) -> bool:
         return True
 
+    @classmethod
+    def supports_sink(cls) -> bool:
+        # gpt-oss style learned per-head sink logits, in prefill and decode.
+        return True
+
 
 @dataclass
 class HPUAttentionMetadata:
@@ -441,7 +446,8 @@ def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) ->
 
 
 def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
-    """Attention with Gemma 2's logit soft-capping, [batch, heads, len, dim] layouts.
+    """Attention with Gemma 2's logit soft-capping, [batch, heads, len, dim] layouts; `mask`
+    boolean (True: attend) or additive (ALiBi biases, -inf where masked).
 
     Gaudi's fused SDPA has no soft-cap input, so this path runs as plain matmul, tanh and softmax
     ops (fused by Gaudi's graph compiler); scores are computed in float32.
@@ -452,9 +458,19 @@ def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tens
         v = v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = torch.tanh(scores / cap) * cap
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
     return torch.matmul(scores.softmax(dim=-1), v.float()).to(q.dtype)
+
+
+def alibi_bias(slopes: torch.Tensor, rel_pos: torch.Tensor) -> torch.Tensor:
+    """ALiBi's additive score bias: slope of each head times (key position - query position).
+
+    slopes [heads]; rel_pos [..., q, k] -> [..., heads, q, k] float32 (0 on the diagonal,
+    more negative the farther a key lies behind its query)."""
+    return slopes.view(-1, 1, 1) * rel_pos.unsqueeze(-3).float()
 
 
 class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
@@ -470,17 +486,37 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         logits_soft_cap: float | None = None,
         attn_type: str = AttentionType.DECODER,
         kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
         **kwargs,
     ) -> None:
-        if alibi_slopes is not None:
-            raise NotImplementedError("ALiBi attention is not supported on HPU by vllm-gaudi yet.")
         if attn_type not in (AttentionType.DECODER, AttentionType.ENCODER_ONLY):
             raise NotImplementedError(f"Attention type {attn_type} is not supported on HPU yet.")
-        if attn_type == AttentionType.ENCODER_ONLY and (sliding_window or logits_soft_cap):
-            raise NotImplementedError(
-                "Encoder-only attention with a sliding window or logit soft-capping is not "
-                "supported on HPU yet."
+        extras = [
+            name
+            for name, used in (
+                ("a sliding window", sliding_window),
+                ("logit soft-capping", logits_soft_cap),
+                ("ALiBi", alibi_slopes is not None),
+                ("attention sinks", sinks is not None),
             )
+            if used
+        ]
+        if attn_type == AttentionType.ENCODER_ONLY and extras:
+            raise NotImplementedError(
+                f"Encoder-only attention with {' and '.join(extras)} is not supported on HPU yet."
+            )
+        # Combinations no model vLLM ships uses, each with a reason the kernels below would need
+        # more: ALiBi's decode bias assumes the unwindowed block order; the soft-cap path has no
+        # sink column.
+        for a, b in (
+            ("ALiBi", "a sliding window"),
+            ("ALiBi", "attention sinks"),
+            ("attention sinks", "logit soft-capping"),
+        ):
+            if a in extras and b in extras:
+                raise NotImplementedError(
+                    f"Attention with {a} and {b} together is not supported on HPU yet."
+                )
         self.attn_type = attn_type
         self.num_heads = num_heads
         self.head_size = head_size
@@ -489,6 +525,13 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         self.sliding_window = sliding_window
         # Gemma 2 style: scores -> cap * tanh(scores / cap) before the softmax.
         self.logits_soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        # BLOOM style: score bias slope * (key position - query position), one slope per head.
+        self.alibi_slopes = (
+            torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
+        )
+        # gpt-oss style: one learned logit per head joins every softmax denominator. The layer's
+        # parameter itself (weights load into it after this constructor runs).
+        self.sinks = sinks
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         # FP8 cache: writes quantize with the layer's k/v scale, reads dequantize with it.
@@ -664,11 +707,11 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         p = md.layout.prefill
         rows, qb = p.rows, p.query_bucket
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
-        window, cap = self.sliding_window, self.logits_soft_cap
+        window, cap, slopes = self.sliding_window, self.logits_soft_cap, self.alibi_slopes
         q = q.view(rows, qb, h, d).transpose(1, 2)
         k = k_new.reshape(rows, qb, hk, d)
         v = v_new.reshape(rows, qb, hk, d)
-        if window is None and cap is None and md.prefill_causal_only():
+        if window is None and cap is None and slopes is None and md.prefill_causal_only():
             # Causal over the row's own tokens: the kernel needs no mask, only each row's length.
             out = self.seam.fused_sdpa(
                 q,
@@ -678,6 +721,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 scale=self.scale,
                 valid_sequence_lengths=md.prefill_valid_lens,
                 padding_side="right",
+                sinks=self.sinks,
             )
             return out.transpose(1, 2).reshape(rows * qb, h, d)
         blocks, k_seq, k_pos = md.prefill_keys_for(window, block_size)
@@ -703,10 +747,15 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
             q1 = min(q0 + step, qb)
             keys = n_ctx + q1
             mask = md.prefill_slice_mask(q0, q1, k_seq[:, :keys], k_pos[:, :keys], window)
+            if slopes is not None:
+                # Additive mask: the ALiBi bias where attended, -inf elsewhere.
+                assert md.prefill_q_pos is not None
+                rel = k_pos[:, None, :keys] - md.prefill_q_pos[:, q0:q1, None]
+                mask = alibi_bias(slopes, rel).masked_fill(~mask, float("-inf"))
             qs, ks, vs = q[:, :, q0:q1], k[:, :, :keys], v[:, :, :keys]
             if cap is None:
                 out[:, :, q0:q1] = self.seam.fused_sdpa(
-                    qs, ks, vs, attn_mask=mask, scale=self.scale
+                    qs, ks, vs, attn_mask=mask, scale=self.scale, sinks=self.sinks
                 )
             else:
                 out[:, :, q0:q1] = _softcapped_attention(qs, ks, vs, mask, self.scale, cap)
@@ -739,16 +788,30 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         if self.logits_soft_cap is not None:
             cap = self.logits_soft_cap
             scores.div_(cap).tanh_().mul_(cap)
+        if self.alibi_slopes is not None:
+            # Blocks are in their unwindowed order here (ALiBi with a window is refused).
+            assert md.decode_block_start is not None and md.decode_query_pos is not None
+            slot = torch.arange(block_size, device=q.device)
+            rel = md.decode_block_start[:, None] + slot - md.decode_query_pos[:, None]
+            slopes = self.alibi_slopes.to(q.device).view(hk, 1, g, 1)
+            scores += slopes * rel[None, :, None, :].float()
         scores += bias[:, None, :]  # unused slots (and, windowed, slots behind): -inf
         # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
         block_max = scores.amax(dim=-1)  # [hk, nb, g]
         seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=q.device)
         seq_max.scatter_reduce_(1, groups[None, :, None].expand(hk, nb, g), block_max, "amax")
+        sink = None
+        if self.sinks is not None:
+            # The sink logit is one more score of every sequence, with no value.
+            sink = self.sinks.float().view(hk, 1, g)
+            seq_max = torch.maximum(seq_max, sink)
         seq_max.nan_to_num_(neginf=0.0)
         scores -= seq_max.index_select(1, groups)[..., None]
         probs = scores.exp_()
         denom = torch.zeros(hk, bsz + 1, g, device=q.device)
         denom.index_add_(1, groups, probs.sum(dim=-1))
+        if sink is not None:
+            denom += (sink - seq_max).exp()
         block_out = torch.empty(hk, nb, g, d, device=q.device)
         for k in range(hk):
             torch.bmm(probs[k], kv[:, :, k, d:], out=block_out[k])

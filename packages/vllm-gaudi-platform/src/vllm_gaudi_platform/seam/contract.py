@@ -92,6 +92,7 @@ class HpuBackend(Protocol):
         recompute_mode: bool | None = None,
         valid_sequence_lengths: torch.Tensor | None = None,
         padding_side: str = "left",
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor: ...

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from vllm_gaudi_platform.seam import latent_attention
 from vllm_gaudi_platform.seam.contract import GraphInputError
+from vllm_gaudi_platform.seam.plain_attention import attention_with_sinks
 
 NAME = "emulated on cpu"
 DEVICE_TYPE = "cpu"  # torch device type the tensors live on
@@ -199,6 +200,7 @@ def fused_sdpa(
     recompute_mode: bool | None = None,
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: str = "left",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gaudi FusedSDPA: [batch, heads, q_len, head_dim] layouts, optional boolean/additive mask.
 
@@ -206,13 +208,14 @@ def fused_sdpa(
     (per batch row) masks padded key positions on `padding_side`. `softmax_mode` ("None" exact,
     "fast" lower precision on Gaudi) and `recompute_mode` are performance knobs with no effect on
     the emulated result. Grouped-query attention: key/value may have fewer heads than query when
-    the query heads are a multiple.
+    the query heads are a multiple. `sinks` ([heads], gpt-oss style): one learned logit per
+    query head joins every softmax denominator as a key with no value.
     """
     if dropout_p != 0.0:
         raise ValueError("fused_sdpa: dropout is not used at inference time")
     q_len, kv_len = query.shape[-2], key.shape[-2]
     enable_gqa = key.shape[-3] != query.shape[-3]
-    if is_causal and attn_mask is None:
+    if is_causal and attn_mask is None and sinks is None:
         # Gaudi's kernel needs no mask tensor in this mode: neither does its emulation.
         return _causal_sdpa_by_query_tiles(
             query, key, value, scale, enable_gqa, valid_sequence_lengths, padding_side
@@ -227,6 +230,8 @@ def fused_sdpa(
     if is_causal:
         causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
         mask = causal if mask is None else _combine(mask, causal)
+    if sinks is not None:
+        return _sdpa_with_sinks_by_query_tiles(query, key, value, mask, scale, sinks)
     if mask is not None and mask.dtype == torch.bool and mask.dim() == 4 and q_len > _SDPA_TILE:
         return _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa)
     return F.scaled_dot_product_attention(
@@ -299,6 +304,25 @@ def _sdpa_skipping_masked_keys(query, key, value, mask, scale, enable_gqa) -> to
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
+    return out
+
+
+def _sdpa_with_sinks_by_query_tiles(query, key, value, mask, scale, sinks) -> torch.Tensor:
+    """Attention with sink logits (plain ops, as on a Gaudi), one tile of query rows at a time so
+    the float32 scores stay [batch, heads, tile, keys]."""
+    q_len = query.shape[-2]
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if mask is not None and mask.dim() < 4:
+        mask = mask.view(*([1] * (4 - mask.dim())), *mask.shape)
+    out = torch.empty_like(query)
+    for start in range(0, q_len, _CAUSAL_TILE):
+        rows = slice(start, min(start + _CAUSAL_TILE, q_len))
+        tile_mask = None
+        if mask is not None:
+            tile_mask = mask[..., rows, :] if mask.shape[-2] > 1 else mask
+        out[..., rows, :] = attention_with_sinks(
+            query[..., rows, :], key, value, tile_mask, scale, sinks
+        )
     return out
 
 

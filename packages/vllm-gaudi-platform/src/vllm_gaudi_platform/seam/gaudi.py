@@ -19,6 +19,7 @@ from habana_frameworks.torch.hpex.kernels import apply_rotary_pos_emb as _hpu_ro
 from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
 from vllm_gaudi_platform.seam import latent_attention
+from vllm_gaudi_platform.seam.plain_attention import attention_with_sinks
 
 NAME = "gaudi"
 DEVICE_TYPE = "hpu"
@@ -114,7 +115,22 @@ def fused_sdpa(
     recompute_mode: bool | None = None,
     valid_sequence_lengths: torch.Tensor | None = None,
     padding_side: str = "left",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    if sinks is not None:
+        # FusedSDPA has no sink input: plain ops (fused by the graph compiler) with the causal
+        # and valid-length masks made explicit.
+        return _sdpa_with_sinks(
+            query,
+            key,
+            value,
+            attn_mask,
+            is_causal,
+            scale,
+            valid_sequence_lengths,
+            padding_side,
+            sinks,
+        )
     grouped = key.shape[-3] != query.shape[-3]
     if grouped:
         # Gaudi's kernel takes grouped-query attention as a 5-D query,
@@ -140,6 +156,33 @@ def fused_sdpa(
         padding_side,
     )
     return out.reshape(b, hq, s, d) if grouped else out
+
+
+def _sdpa_with_sinks(
+    query, key, value, attn_mask, is_causal, scale, valid_sequence_lengths, padding_side, sinks
+) -> torch.Tensor:
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    mask = attn_mask
+    if mask is not None and mask.dim() < 4:
+        mask = mask.view(*([1] * (4 - mask.dim())), *mask.shape)
+    allowed = None
+    if valid_sequence_lengths is not None:
+        pos = torch.arange(kv_len, device=query.device)
+        lens = valid_sequence_lengths.view(-1, 1)
+        valid = pos >= kv_len - lens if padding_side == "left" else pos < lens
+        allowed = valid[:, None, None, :]
+    if is_causal:
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+        allowed = causal if allowed is None else allowed & causal
+    if allowed is not None:
+        if mask is None:
+            mask = allowed
+        elif mask.dtype == torch.bool:
+            mask = mask & allowed
+        else:
+            mask = mask.masked_fill(~allowed, float("-inf"))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return attention_with_sinks(query, key, value, mask, scale, sinks)
 
 
 # ----------------------------------------------------------------------------- op-family kernels
