@@ -74,6 +74,8 @@ class Upstream:
 RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 ROTARY = "vllm.model_executor.layers.rotary_embedding"
+MLA = "vllm.model_executor.layers.attention.mla_attention"
+PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 
 UPSTREAM: tuple[Upstream, ...] = (
     # --- the model runner (model_runner.py: HPUModelRunner) -------------------------------------
@@ -146,6 +148,55 @@ UPSTREAM: tuple[Upstream, ...] = (
         params=("backend", "class_path"),
     ),
     Upstream("vllm.v1.attention.backends.registry:AttentionBackendEnum.CUSTOM", "platform.py"),
+    Upstream(
+        "vllm.v1.attention.backend:AttentionBackend.supports_sink",
+        "HPUAttentionBackend.supports_sink (vLLM refuses backends without it for sink models)",
+    ),
+    Upstream(
+        "vllm.model_executor.layers.attention.attention:Attention.__init__",
+        "HPUAttentionImpl takes the layer's sink logits as its `sinks` keyword (extra_impl_args)",
+        mentions=("extra_impl_args", "sinks"),
+    ),
+    # --- MLA (mla.py) -------------------------------------------------------------------------
+    Upstream(
+        f"{MLA}:MLAAttention.forward_impl",
+        "HPUMLAImpl.forward_mha runs the whole step: with num_decode_tokens == 0 the layer passes "
+        "every token (cut to num_actual_tokens) to forward_mha and never calls forward_mqa",
+        mentions=("num_decode_tokens", "num_decodes", "num_prefills", "num_actual_tokens"),
+    ),
+    Upstream(
+        f"{MLA}:MLAAttention.bind_kv_cache",
+        "HPUMLAImpl reads the layer's cache as [num_blocks, block_size, latent] (no head axis)",
+        mentions=("squeeze",),
+    ),
+    Upstream(
+        f"{MLA}:MLAAttention.process_weights_after_loading",
+        "HPUMLAImpl.process_weights_after_loading splits kv_b_proj into W_UK / W_UV",
+        mentions=("self.impl.process_weights_after_loading",),
+    ),
+    Upstream(
+        f"{MLA}:split_kv_b_proj",
+        "HPUMLAImpl.process_weights_after_loading",
+        params=(
+            "kv_b_proj",
+            "out_dtype",
+            "kv_lora_rank",
+            "num_heads",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        ),
+    ),
+    Upstream(
+        "vllm.v1.attention.backend:MLAAttentionImpl.forward_mha",
+        "HPUMLAImpl.forward_mha",
+        params=("q", "kv_c_normed", "k_pe", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale"),
+        keywords=("output",),
+    ),
+    Upstream(
+        "vllm.platforms.interface:Platform.get_mla_prefill_backend_cls",
+        "HpuPlatform answers with HPUMLAPrefillBackend (MLA layers ask for one when built)",
+        params=("mla_selector_config",),
+    ),
     # --- host/device buffers (model_runner.py: _share_host_buffers) ----------------------------
     Upstream("vllm.v1.utils:CpuGpuBuffer", "HPUModelRunner._share_host_buffers (.cpu/.gpu)"),
     Upstream(
@@ -250,6 +301,51 @@ UPSTREAM: tuple[Upstream, ...] = (
                 ),
             ),
         )
+    ),
+    # EAGLE drafting (triton_overrides.py EAGLE_KERNELS; spec_decode.py DraftBucketing).
+    *(
+        Upstream(
+            f"vllm.v1.spec_decode.utils:{kernel}",
+            f"triton_overrides.{kernel.removesuffix('_kernel')} stands in for it, by name",
+        )
+        for kernel in (
+            "eagle_step_slot_mapping_metadata_kernel",
+            "eagle_prepare_inputs_padded_kernel",
+            "eagle_prepare_next_token_padded_kernel",
+        )
+    ),
+    Upstream(
+        f"{PROPOSER}.build_per_group_and_layer_attn_metadata",
+        "spec_decode.DraftBucketing wraps it to plan the drafting pass's bucket",
+        params=("common_attn_metadata", "draft_index"),
+    ),
+    Upstream(
+        f"{PROPOSER}._determine_batch_execution_and_padding",
+        "spec_decode.DraftBucketing wraps it to pad a drafting pass to its bucket",
+        params=("num_tokens", "use_cudagraphs"),
+    ),
+    Upstream(
+        f"{PROPOSER}.propose",
+        "DraftBucketing: first pass (build, then padding), one-token passes (padding, builds)",
+        mentions=(
+            "build_per_group_and_layer_attn_metadata",
+            "_determine_batch_execution_and_padding",
+            "seq_lens_cpu_upper_bound",
+        ),
+    ),
+    Upstream(
+        f"{PROPOSER}._get_positions",
+        "DraftBucketing.warm runs the head on the proposer's buffers",
+        params=("num_tokens",),
+    ),
+    Upstream(
+        f"{PROPOSER}.__init__",
+        "DraftBucketing.warm reads the proposer's buffers",
+        mentions=("self.input_ids", "self.hidden_states", "self.pass_hidden_states_to_model"),
+    ),
+    Upstream(
+        f"{RUNNER}.propose_draft_token_ids",
+        "HPUModelRunner.propose_draft_token_ids brackets it for DraftBucketing",
     ),
     # --- torch names patched process-wide (see the ledger above) -------------------------------
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
@@ -537,6 +633,14 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         f"{P}.attention:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
     ),
+    Overriding(f"{P}.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
+    Overriding(
+        f"{P}.mla:HPUMLAImpl", "vllm.v1.attention.backend:MLAAttentionImpl", frozenset({"_prefill"})
+    ),
+    Overriding(
+        f"{P}.mla:HPUMLAPrefillBackend",
+        "vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend",
+    ),
     Overriding("vllm_gaudi_connectors.nixl:HpuNixlConnector", f"{NIXL}.connector:NixlConnector"),
     Overriding(
         "vllm_gaudi_connectors.nixl:HpuNixlConnectorWorker",
@@ -728,6 +832,9 @@ SPEC_DECODE_KERNEL_NAMES = (
     "vllm.v1.sample.rejection_sampler.rejection_random_sample_kernel",
     "vllm.v1.sample.rejection_sampler.expand_kernel",
     "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel",
+    "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel",
+    "vllm.v1.spec_decode.utils.eagle_prepare_inputs_padded_kernel",
+    "vllm.v1.spec_decode.utils.eagle_prepare_next_token_padded_kernel",
 )
 
 
@@ -771,7 +878,9 @@ def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
     # vLLM's launcher forwards by keyword only when the names match exactly, in order.
     expected = parameter_names(resolve(f"{module}:{kernel}"))
 
-    assert parameter_names(triton_overrides.SPEC_DECODE_KERNELS[name]) == expected
+    stand_ins = {**triton_overrides.SPEC_DECODE_KERNELS, **triton_overrides.EAGLE_KERNELS}
+
+    assert parameter_names(stand_ins[name]) == expected
 
 
 def test_guard_reports_a_method_renamed_away_upstream(monkeypatch):
