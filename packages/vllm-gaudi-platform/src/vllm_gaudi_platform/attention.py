@@ -91,6 +91,12 @@ class HPUAttentionBackend(AttentionBackend):
 class HPUAttentionMetadata:
     """Everything one step's attention needs; all tensors have bucket-determined shapes."""
 
+    # vLLM's MLA layer splits a step by these counts; the HPU MLA backend (mla.py) takes every
+    # token in one call, the step's parts laid out as below, so it reports no decode tokens.
+    num_decodes: ClassVar[int] = 0
+    num_decode_tokens: ClassVar[int] = 0
+    num_prefills: ClassVar[int] = 1
+
     layout: step_layout.StepLayout
     num_actual_tokens: int
     slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slot of each real token

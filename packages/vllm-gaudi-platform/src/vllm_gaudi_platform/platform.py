@@ -21,6 +21,8 @@ logger = init_logger(f"vllm.{__name__}")
 
 _seam = backend()
 ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"
+# DeepSeek-style multi-head latent attention (MLA) layers.
+MLA_BACKEND_CLS = "vllm_gaudi_platform.mla.HPUMLABackend"
 
 
 def _register_attention_backend() -> None:
@@ -159,11 +161,19 @@ class HpuPlatform(Platform):
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
-        if getattr(attn_selector_config, "use_mla", False):
-            raise NotImplementedError("MLA attention is not supported on HPU by vllm-gaudi yet.")
         if getattr(attn_selector_config, "use_sparse", False):
             raise NotImplementedError("Sparse attention is not supported on HPU.")
+        if getattr(attn_selector_config, "use_mla", False):
+            return MLA_BACKEND_CLS
         return ATTENTION_BACKEND_CLS
+
+    @classmethod
+    def get_mla_prefill_backend_cls(cls, mla_selector_config):
+        # HPU MLA runs prefill inside its own backend (mla.py); vLLM's MLA layer still asks for
+        # a prefill backend class when it is built.
+        from vllm_gaudi_platform.mla import HPUMLAPrefillBackend
+
+        return HPUMLAPrefillBackend
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
@@ -276,8 +286,6 @@ class HpuPlatform(Platform):
                 model_config.model,
             )
             model_config.dtype = torch.bfloat16
-        if model_config is not None and model_config.use_mla:
-            raise NotImplementedError("MLA models are not supported on HPU by vllm-gaudi yet.")
 
     @classmethod
     def update_block_size_for_backend(cls, vllm_config: VllmConfig) -> None:
