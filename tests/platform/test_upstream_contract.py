@@ -75,7 +75,6 @@ RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 ROTARY = "vllm.model_executor.layers.rotary_embedding"
 MLA = "vllm.model_executor.layers.attention.mla_attention"
-MLA = "vllm.model_executor.layers.attention.mla_attention"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 
 UPSTREAM: tuple[Upstream, ...] = (
@@ -157,46 +156,6 @@ UPSTREAM: tuple[Upstream, ...] = (
         "vllm.model_executor.layers.attention.attention:Attention.__init__",
         "HPUAttentionImpl takes the layer's sink logits as its `sinks` keyword (extra_impl_args)",
         mentions=("extra_impl_args", "sinks"),
-    ),
-    # --- MLA (mla.py) -------------------------------------------------------------------------
-    Upstream(
-        f"{MLA}:MLAAttention.forward_impl",
-        "HPUMLAImpl.forward_mha runs the whole step: with num_decode_tokens == 0 the layer passes "
-        "every token (cut to num_actual_tokens) to forward_mha and never calls forward_mqa",
-        mentions=("num_decode_tokens", "num_decodes", "num_prefills", "num_actual_tokens"),
-    ),
-    Upstream(
-        f"{MLA}:MLAAttention.bind_kv_cache",
-        "HPUMLAImpl reads the layer's cache as [num_blocks, block_size, latent] (no head axis)",
-        mentions=("squeeze",),
-    ),
-    Upstream(
-        f"{MLA}:MLAAttention.process_weights_after_loading",
-        "HPUMLAImpl.process_weights_after_loading splits kv_b_proj into W_UK / W_UV",
-        mentions=("self.impl.process_weights_after_loading",),
-    ),
-    Upstream(
-        f"{MLA}:split_kv_b_proj",
-        "HPUMLAImpl.process_weights_after_loading",
-        params=(
-            "kv_b_proj",
-            "out_dtype",
-            "kv_lora_rank",
-            "num_heads",
-            "qk_nope_head_dim",
-            "v_head_dim",
-        ),
-    ),
-    Upstream(
-        "vllm.v1.attention.backend:MLAAttentionImpl.forward_mha",
-        "HPUMLAImpl.forward_mha",
-        params=("q", "kv_c_normed", "k_pe", "kv_c_and_k_pe_cache", "attn_metadata", "k_scale"),
-        keywords=("output",),
-    ),
-    Upstream(
-        "vllm.platforms.interface:Platform.get_mla_prefill_backend_cls",
-        "HpuPlatform answers with HPUMLAPrefillBackend (MLA layers ask for one when built)",
-        params=("mla_selector_config",),
     ),
     # --- MLA (mla.py) -------------------------------------------------------------------------
     Upstream(
@@ -673,14 +632,6 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
     Overriding(
         f"{P}.attention:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
-    ),
-    Overriding(f"{P}.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
-    Overriding(
-        f"{P}.mla:HPUMLAImpl", "vllm.v1.attention.backend:MLAAttentionImpl", frozenset({"_prefill"})
-    ),
-    Overriding(
-        f"{P}.mla:HPUMLAPrefillBackend",
-        "vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend",
     ),
     Overriding(f"{P}.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
     Overriding(
