@@ -1,0 +1,86 @@
+"""One padded bucket per step for all data-parallel ranks.
+
+In a mixture-of-experts model, data-parallel (DP) ranks exchange hidden states inside every MoE
+layer, so each step must run on every rank (idle ranks run a dummy step) with shapes the other
+ranks expect. On Gaudi a shape is a compiled graph: if each rank padded its own batch to its own
+bucket, the exchanged tensors would take shapes that warmup never saw. So the ranks agree each
+step on ONE layout: every dimension of the step's buckets (prefill rows, query length, context
+blocks; decode batch, decode blocks) is the maximum over the ranks, rounded up to a bucket of the
+plan, and each rank pads its own requests into that layout. An idle rank contributes zeros and
+runs the agreed buckets with padding only.
+
+The exchange itself is one all-reduce (MAX) of `shape_vector` over the DP group; everything else
+here is pure Python so it is unit-tested without processes.
+"""
+
+from __future__ import annotations
+
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.step_layout import DecodePart, PrefillPart, StepLayout
+
+# shape_vector's entries: prefill rows, query bucket, context blocks; decode batch, blocks.
+SHAPE_LEN = 5
+IDLE: tuple[int, ...] = (0,) * SHAPE_LEN
+
+
+def shape_vector(layout: StepLayout | None) -> tuple[int, ...]:
+    """The padded dimensions of a step's layout (zeros for a missing part or an idle rank)."""
+    if layout is None:
+        return IDLE
+    p, d = layout.prefill, layout.decode
+    return (
+        p.rows if p else 0,
+        p.query_bucket if p else 0,
+        p.ctx_bucket if p else 0,
+        d.batch_bucket if d else 0,
+        d.blocks_bucket if d else 0,
+    )
+
+
+def combine(vectors: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Element-wise maximum of the ranks' shape vectors (what the all-reduce MAX computes)."""
+    return tuple(max(v[i] for v in vectors) for i in range(SHAPE_LEN))
+
+
+def agreed_buckets(
+    maxima: tuple[int, ...], plan: BucketPlan
+) -> tuple[tuple[Bucket, bool] | None, tuple[Bucket, bool] | None]:
+    """The prefill and decode buckets every rank runs for element-wise `maxima`, each with
+    whether warmup ran it (a bucket of the plan) or not (exact shape: a recompile on Gaudi)."""
+    rows, query, ctx, batch, blocks = maxima
+    prefill = decode = None
+    if rows:
+        found = plan.find_prompt(rows, query, ctx)
+        prefill = (found, True) if found else (Bucket("prompt", rows, query, ctx), False)
+    if batch:
+        found = plan.find_decode(batch, blocks)
+        decode = (found, True) if found else (Bucket("decode", batch, 1, blocks), False)
+    return prefill, decode
+
+
+def pad_to_agreed(
+    layout: StepLayout | None, maxima: tuple[int, ...], plan: BucketPlan
+) -> StepLayout:
+    """This rank's requests (none for an idle rank) laid out in the buckets all ranks agreed on.
+
+    A part this rank lacks becomes a part of padding only; a part it has keeps its members and
+    grows to the agreed bucket (more padding rows, columns, batch slots or blocks).
+    """
+    prefill_bucket, decode_bucket = agreed_buckets(maxima, plan)
+    own_prefill = layout.prefill if layout else None
+    own_decode = layout.decode if layout else None
+    prefill = decode = None
+    if prefill_bucket is not None:
+        b, warmed = prefill_bucket
+        rows = own_prefill.row_members if own_prefill else ()
+        prefill = PrefillPart(b.batch_size, b.query_len, b.ctx_blocks, rows, b, warmed)
+    elif own_prefill is not None:
+        raise ValueError("the agreed shape has no prefill part but this rank has one")
+    if decode_bucket is not None:
+        b, warmed = decode_bucket
+        members = own_decode.members if own_decode else ()
+        decode = DecodePart(b.batch_size, b.ctx_blocks, members, b, warmed)
+    elif own_decode is not None:
+        raise ValueError("the agreed shape has no decode part but this rank has one")
+    query_lens = layout.query_lens if layout else ()
+    return StepLayout(query_lens, prefill, decode)

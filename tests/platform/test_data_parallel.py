@@ -1,0 +1,123 @@
+"""Data-parallel ranks agree on one padded layout per step (vllm_gaudi_platform.data_parallel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.platform import test_attention
+from vllm_gaudi_platform import data_parallel, step_layout
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+
+BLOCK = test_attention.BLOCK
+
+
+@pytest.fixture(autouse=True)
+def _emulation(monkeypatch):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+
+
+def _plan() -> BucketPlan:
+    return BucketPlan(
+        strategy="test",
+        prompt=tuple(
+            Bucket("prompt", bs, q, c) for bs in (1, 2, 4) for q in (16, 32, 64) for c in (0, 2, 4)
+        ),
+        decode=tuple(Bucket("decode", bs, 1, c) for bs in (2, 4, 8) for c in (4, 8, 16)),
+    )
+
+
+def _layout(query_lens: list[int], ctx_lens: list[int], plan: BucketPlan):
+    seq_lens = [q + c for q, c in zip(query_lens, ctx_lens)]
+    return step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+
+
+def test_idle_rank_contributes_zeros():
+    assert data_parallel.shape_vector(None) == data_parallel.IDLE == (0, 0, 0, 0, 0)
+
+
+def test_ranks_with_different_steps_end_up_with_the_same_warmed_buckets():
+    plan = _plan()
+    prefill_only = _layout([20, 5], [0, 0], plan)  # prefill bucket (2, 32, 0)
+    decode_only = _layout([1, 1, 1], [30, 40, 3], plan)  # decode bucket (4, 1, 8)
+    mixed = _layout([40, 1], [20, 10], plan)  # prefill (1, 64, 2) + decode (2, 1, 4)
+    layouts = [prefill_only, decode_only, mixed, None]
+    maxima = data_parallel.combine([data_parallel.shape_vector(x) for x in layouts])
+    agreed = [data_parallel.pad_to_agreed(x, maxima, plan) for x in layouts]
+    assert {a.buckets for a in agreed} == {(Bucket("prompt", 2, 64, 2), Bucket("decode", 4, 1, 8))}
+    assert all(a.warmed for a in agreed)
+    assert {a.num_tokens_padded for a in agreed} == {2 * 64 + 4}
+
+
+def test_padding_keeps_each_ranks_own_requests():
+    plan = _plan()
+    own = _layout([20, 5, 1], [0, 0, 17], plan)
+    maxima = (4, 64, 2, 8, 16)
+    padded = data_parallel.pad_to_agreed(own, maxima, plan)
+    assert padded.query_lens == own.query_lens
+    assert padded.prefill.row_members == own.prefill.row_members
+    assert padded.decode.members == own.decode.members
+
+
+def test_agreed_shape_outside_the_plan_runs_exactly_and_counts_as_not_warmed():
+    plan = _plan()
+    padded = data_parallel.pad_to_agreed(None, (8, 64, 0, 0, 0), plan)
+    assert padded.prefill.bucket == Bucket("prompt", 8, 64, 0)
+    assert not padded.warmed
+
+
+def test_agreement_without_a_part_this_rank_has_is_refused():
+    plan = _plan()
+    own = _layout([1], [5], plan)
+    with pytest.raises(ValueError, match="no decode part"):
+        data_parallel.pad_to_agreed(own, (1, 16, 0, 0, 0), plan)
+
+
+@pytest.mark.parametrize("maxima", [(4, 64, 4, 8, 16), (2, 32, 4, 0, 0), (0, 0, 0, 8, 16)])
+def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch, maxima):
+    plan = _plan()
+    if maxima[3] == 0:
+        query_lens, ctx_lens = [7, 16], [40, 16]
+    elif maxima[0] == 0:
+        query_lens, ctx_lens = [1, 1, 1], [3, 20, 33]
+    else:
+        query_lens, ctx_lens = [1, 9, 20], [15, 0, 17]
+    own, _, _ = test_attention._run(query_lens, ctx_lens, plan)
+    plan_step = step_layout.plan_step
+
+    def agreed_step(**kwargs):
+        return data_parallel.pad_to_agreed(plan_step(**kwargs), maxima, plan)
+
+    monkeypatch.setattr(step_layout, "plan_step", agreed_step)
+    out, ref, layout = test_attention._run(query_lens, ctx_lens, plan)
+    assert data_parallel.shape_vector(layout) >= data_parallel.shape_vector(
+        plan_step(
+            query_lens=query_lens,
+            seq_lens=[q + c for q, c in zip(query_lens, ctx_lens)],
+            block_size=BLOCK,
+            plan=plan,
+        )
+    )
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, own, atol=1e-5, rtol=1e-5)
+
+
+def test_idle_rank_metadata_is_all_padding():
+    from vllm_gaudi_platform.attention import build_metadata
+
+    plan = _plan()
+    layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8), plan)
+    md = build_metadata(
+        layout=layout,
+        seq_lens=[],
+        block_table=torch.zeros(0, 1, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    total = layout.num_tokens_padded
+    assert md.num_actual_tokens == 0
+    assert sorted(md.cell_to_token.tolist()) == list(range(total))
+    assert (md.decode_block_groups == layout.decode.batch_bucket).all()  # no real sequence
