@@ -330,8 +330,12 @@ UPSTREAM: tuple[Upstream, ...] = (
         mentions=(
             "build_per_group_and_layer_attn_metadata",
             "_determine_batch_execution_and_padding",
-            "seq_lens_cpu_upper_bound",
         ),
+    ),
+    Upstream(
+        f"{PROPOSER}._update_positions_dependent_metadata",
+        "DraftBucketing drops the host upper bound of the lengths it raises here",
+        mentions=("seq_lens_cpu_upper_bound",),
     ),
     Upstream(
         f"{PROPOSER}._get_positions",

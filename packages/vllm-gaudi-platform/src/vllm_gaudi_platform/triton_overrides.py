@@ -288,6 +288,111 @@ SPEC_DECODE_KERNELS = {
     "vllm.v1.sample.rejection_sampler.sample_recovered_tokens_kernel": sample_recovered_tokens,
 }
 
+
+# ------------------------------------------------------------------ EAGLE drafting
+# vLLM's EAGLE proposer (vllm/v1/spec_decode/llm_base_proposer.py) prepares its inputs with three
+# one-program-per-request kernels of vllm/v1/spec_decode/utils.py. These compute the same for the
+# whole batch at once.
+
+
+def eagle_step_slot_mapping_metadata(
+    positions_ptr: torch.Tensor,
+    block_table_ptr: torch.Tensor,
+    block_table_stride: int,
+    seq_lens_ptr: torch.Tensor,
+    out_clamped_positions_ptr: torch.Tensor,
+    out_slot_mapping_ptr: torch.Tensor,
+    block_size: int,
+    max_model_len: int,
+    n_blocks_per_req: int,
+    PAD_ID: int,
+    batch_size: int,
+) -> None:
+    """One autoregressive drafting step: position + 1 (0 past max_model_len), its KV slot (PAD_ID
+    past max_model_len, and for the padding rows of `out_slot_mapping_ptr` beyond batch_size), and
+    seq_len + 1 (1 past max_model_len, at most max_model_len), for the first batch_size requests."""
+    n = batch_size
+    new_pos = positions_ptr[:n].to(torch.int64) + 1
+    exceeds = new_pos >= max_model_len
+    clamped = torch.where(exceeds, torch.zeros_like(new_pos), new_pos)
+    block_number = torch.clamp(clamped // block_size, max=n_blocks_per_req - 1)
+    table = block_table_ptr.reshape(-1)
+    rows = torch.arange(n, device=new_pos.device) * block_table_stride
+    block_id = table[rows + block_number].to(torch.int64)
+    slot = block_id * block_size + clamped % block_size
+    slot = torch.where(exceeds, torch.full_like(slot, PAD_ID), slot)
+    seq = seq_lens_ptr[:n]
+    new_seq = torch.where(exceeds, torch.ones_like(seq), seq + 1).clamp(max=max_model_len)
+    out_clamped_positions_ptr[:n] = clamped.to(out_clamped_positions_ptr.dtype)
+    out_slot_mapping_ptr[:n] = slot.to(out_slot_mapping_ptr.dtype)
+    out_slot_mapping_ptr[n:] = PAD_ID
+    seq_lens_ptr[:n] = new_seq.to(seq_lens_ptr.dtype)
+
+
+def eagle_prepare_inputs_padded(
+    cu_num_draft_tokens_ptr: torch.Tensor,
+    valid_sampled_tokens_count_ptr: torch.Tensor,
+    query_start_loc_gpu_ptr: torch.Tensor,
+    token_indices_to_sample_ptr: torch.Tensor,
+    num_rejected_tokens_gpu_ptr: torch.Tensor,
+    num_reqs: int,
+) -> None:
+    """Per request: rejected = drafts + 1 - valid sampled tokens (0 without drafts), and the
+    token to sample the next draft from = the request's last token minus the rejected ones."""
+    n = num_reqs
+    cu = cu_num_draft_tokens_ptr[:n].to(torch.int64)
+    drafts = cu - torch.cat([cu.new_zeros(1), cu[:-1]])
+    valid = valid_sampled_tokens_count_ptr[:n].to(torch.int64)
+    rejected = torch.where(drafts > 0, drafts + 1 - valid, torch.zeros_like(drafts))
+    last = query_start_loc_gpu_ptr[1 : n + 1].to(torch.int64) - 1
+    token_indices_to_sample_ptr[:n] = (last - rejected).to(token_indices_to_sample_ptr.dtype)
+    num_rejected_tokens_gpu_ptr[:n] = rejected.to(num_rejected_tokens_gpu_ptr.dtype)
+
+
+def eagle_prepare_next_token_padded(
+    sampled_token_ids_ptr: torch.Tensor,
+    discard_request_mask_ptr: torch.Tensor,
+    backup_next_token_ids_ptr: torch.Tensor,
+    next_token_ids_ptr: torch.Tensor,
+    valid_sampled_tokens_count_ptr: torch.Tensor,
+    vocab_size: int,
+    num_sampled_tokens_per_req: int,
+    num_reqs: int,
+    stride_sampled_token_ids: int,
+    BLOCK_SIZE_TOKENS: int,
+) -> None:
+    """Per request: how many sampled tokens are valid (not -1, inside the vocabulary) and the
+    last valid one as the next token; no valid token, or a discarded request (count 0), takes
+    the backup token."""
+    n = num_reqs
+    width = num_sampled_tokens_per_req
+    flat = sampled_token_ids_ptr.reshape(-1)
+    row_starts = torch.arange(n, device=flat.device).unsqueeze(1) * stride_sampled_token_ids
+    index = row_starts + torch.arange(width, device=flat.device).unsqueeze(0)
+    tokens = flat[index].to(torch.int64)
+    valid = (tokens != -1) & (tokens < vocab_size)
+    count = valid.sum(dim=1)
+    columns = torch.arange(width, device=flat.device).unsqueeze(0)
+    last_index = torch.where(valid, columns, -1).max(dim=1).values.clamp(min=0)
+    last = tokens.gather(1, last_index.unsqueeze(1)).squeeze(1)
+    discarded = discard_request_mask_ptr[:n].to(torch.bool)
+    backup = backup_next_token_ids_ptr[:n].to(torch.int64)
+    use_backup = discarded | (count == 0)
+    next_token_ids_ptr[:n] = torch.where(use_backup, backup, last).to(next_token_ids_ptr.dtype)
+    count = torch.where(discarded, torch.zeros_like(count), count)
+    valid_sampled_tokens_count_ptr[:n] = count.to(valid_sampled_tokens_count_ptr.dtype)
+
+
+EAGLE_KERNELS = {
+    "vllm.v1.spec_decode.utils.eagle_step_slot_mapping_metadata_kernel": (
+        eagle_step_slot_mapping_metadata
+    ),
+    "vllm.v1.spec_decode.utils.eagle_prepare_inputs_padded_kernel": eagle_prepare_inputs_padded,
+    "vllm.v1.spec_decode.utils.eagle_prepare_next_token_padded_kernel": (
+        eagle_prepare_next_token_padded
+    ),
+}
+
 _registered = False
 
 
@@ -301,6 +406,7 @@ def register() -> None:
         {
             "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
             **SPEC_DECODE_KERNELS,
+            **EAGLE_KERNELS,
         }
     )
     _registered = True
