@@ -105,6 +105,34 @@ UPSTREAM: tuple[Upstream, ...] = (
         keywords=("uniform_decode",),
     ),
     Upstream(
+        f"{RUNNER}.sync_and_gather_intermediate_tensors",
+        "HPUModelRunner warms a later pipeline stage with the runner's intermediate tensors",
+        params=("num_tokens", "intermediate_tensors", "sync_self"),
+    ),
+    Upstream(
+        f"{RUNNER}.execute_model",
+        "HPUModelRunner returns the DP ranks' agreed token counts from "
+        "_determine_batch_execution_and_padding; execute_model puts them in the forward context",
+        mentions=("num_tokens_across_dp", "_determine_batch_execution_and_padding"),
+    ),
+    Upstream(
+        "vllm.v1.engine.core:EngineCore.execute_dummy_batch",
+        "an idle DP rank's step (DPEngineCoreProc's busy loop calls it): "
+        "HPUWorker.execute_dummy_batch runs the agreed buckets",
+        mentions=("execute_dummy_batch",),
+    ),
+    Upstream(
+        "vllm.distributed.device_communicators.all2all:AgRsAll2AllManager.__init__",
+        "HPUCommunicator exchanges MoE tokens between DP ranks through this manager",
+        params=("cpu_group",),
+    ),
+    Upstream(
+        "vllm.distributed.device_communicators.base_device_communicator:"
+        "DeviceCommunicatorBase.__init__",
+        "HPUCommunicator reads use_all2all and rank_in_group, sets all2all_manager",
+        mentions=("use_all2all", "all2all_manager", "rank_in_group"),
+    ),
+    Upstream(
         f"{RUNNER}._make_buffer",
         "HPUModelRunner._share_host_buffers finds the runner's CpuGpuBuffers made here",
         mentions=("CpuGpuBuffer",),
@@ -625,6 +653,10 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "recapture_graphs",
                 "_attention_layer_names",
                 "lora_unwarmed_shapes",
+                "_agree_across_dp",
+                "_num_tokens_across_dp",
+                "execute_idle_dp_step",
+                "_intermediate_tensors_for",
             }
         ),
     ),

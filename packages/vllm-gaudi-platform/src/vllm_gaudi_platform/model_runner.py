@@ -14,14 +14,16 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from vllm.config import CUDAGraphMode, VllmConfig
+from vllm.distributed.parallel_state import get_dp_group, get_pp_group
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gaudi_platform import envs, hpu_graphs, spec_decode, step_layout
+from vllm_gaudi_platform import data_parallel, envs, hpu_graphs, spec_decode, step_layout
 from vllm_gaudi_platform import lora as hpu_lora
 from vllm_gaudi_platform import metrics as hpu_metrics
 from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
@@ -188,8 +190,12 @@ class HPUModelRunner(GPUModelRunner):
         # HPU graphs: one per warmed bucket, replayed by every serving step of that bucket
         # (hpu_graphs.py); enforce_eager=True runs every step op by op instead.
         # LoRA steps stay eager: the adapter mapping is not kept in static per-bucket buffers.
+        # So do pipeline stages: a graph records input ids and positions only, while a stage
+        # after the first reads the previous stage's hidden states and residual.
         self.graphs = hpu_graphs.BucketGraphs(
-            enabled=not self.model_config.enforce_eager and self.lora_config is None
+            enabled=not self.model_config.enforce_eager
+            and self.lora_config is None
+            and self.parallel_config.pipeline_parallel_size == 1
         )
         self._graph_weights: dict[str, torch.nn.Parameter] = {}
 
@@ -329,13 +335,53 @@ class HPUModelRunner(GPUModelRunner):
             block_size=self.block_size,
             plan=self.bucket_plan,
         )
+        if self.parallel_config.data_parallel_size > 1:
+            layout = self._agree_across_dp(layout)
         self.recompiles.record(layout)
         self.step_metrics.record(layout, seq_lens, self.block_size, self.recompiles.count)
         if self.trace_recorder is not None:
             self.trace_recorder.record(query_lens, seq_lens)
         step_layout.set_current(layout)
         padded = layout.num_tokens_padded
-        return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, None, None)
+        across_dp = self._num_tokens_across_dp(padded)
+        return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, across_dp, None)
+
+    # ------------------------------------------------------------------ data parallelism
+    def _agree_across_dp(self, layout: step_layout.StepLayout | None) -> step_layout.StepLayout:
+        """This step's layout in the buckets all DP ranks run (see data_parallel.py): one
+        all-reduce (MAX) of the padded dimensions over the DP group, every step, on every rank."""
+        shape = torch.tensor(data_parallel.shape_vector(layout), dtype=torch.int64)
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=get_dp_group().cpu_group)
+        maxima = tuple(int(x) for x in shape.tolist())
+        return data_parallel.pad_to_agreed(layout, maxima, self.bucket_plan)
+
+    def _num_tokens_across_dp(self, num_tokens: int) -> torch.Tensor | None:
+        """vLLM's per-DP-rank token counts for the forward context (MoE token exchange): every
+        rank runs the same agreed bucket, so every count is this rank's padded count."""
+        size = self.parallel_config.data_parallel_size
+        if size == 1:
+            return None
+        return torch.full((size,), num_tokens, dtype=torch.int32)
+
+    @torch.no_grad()
+    def execute_idle_dp_step(self) -> None:
+        """A step of a DP rank without requests while other DP ranks have some: agree on the
+        step's buckets like a busy rank and run them on padding only, so that the MoE token
+        exchange in every layer meets the same collectives, shapes and warmed buckets."""
+        layout = self._agree_across_dp(None)
+        total = layout.num_tokens_padded
+        if total == 0:
+            return
+        self.recompiles.record(layout)
+        metadata = build_metadata(
+            layout=layout,
+            seq_lens=[],
+            block_table=torch.zeros(0, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self._forward_with_metadata(metadata, total, 0, capture=False)
 
     # ------------------------------------------------------------------ HPU graphs
     def _model_forward(
@@ -516,11 +562,18 @@ class HPUModelRunner(GPUModelRunner):
         )
         self._forward_with_metadata(metadata, total, n)
 
-    def _forward_with_metadata(self, metadata: HPUAttentionMetadata, total: int, n: int) -> None:
-        """Warmup's forward pass of one bucket; with HPU graphs on, the capture of its graph."""
+    def _forward_with_metadata(
+        self, metadata: HPUAttentionMetadata, total: int, n: int, *, capture: bool | None = None
+    ) -> None:
+        """Warmup's forward pass of one bucket; with HPU graphs on (unless `capture` is False),
+        the capture of its graph. `n` sequences get logits (none for a padding-only step)."""
         input_ids = self.input_ids.gpu[:total]
         positions = self.positions[:total]
-        capture = self.graphs.enabled
+        pp = get_pp_group()
+        # A pipeline stage after the first takes the previous stage's hidden states: warm it with
+        # intermediate tensors of the bucket's padded token count, as serving steps pass them.
+        intermediate = None if pp.is_first_rank else self._intermediate_tensors_for(total)
+        capture = self.graphs.enabled if capture is None else capture and self.graphs.enabled
         if capture:
             attn_metadata = self._static_metadata(metadata)
         else:
@@ -529,6 +582,7 @@ class HPUModelRunner(GPUModelRunner):
             attn_metadata,
             self.vllm_config,
             num_tokens=total,
+            num_tokens_across_dp=self._num_tokens_across_dp(total),
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
         ):
             if capture:
@@ -547,15 +601,34 @@ class HPUModelRunner(GPUModelRunner):
                 self.seam.synchronize()
                 self.graphs.stats.capture_seconds += time.perf_counter() - start
             else:
-                hidden = self.model(input_ids=input_ids, positions=positions)
+                hidden = self.model(
+                    input_ids=input_ids,
+                    positions=positions,
+                    intermediate_tensors=intermediate,
+                )
+        if not pp.is_last_rank:
+            # A stage before the last returns intermediate tensors; the LM head is not on it.
+            self.seam.mark_step()
+            return
         if isinstance(hidden, tuple):
             hidden = hidden[0]
-        if not self.is_pooling_model:
+        if not self.is_pooling_model and n:
             # A pooling model has no LM head: its pooler reads the hidden states per request
             # after the padded forward pass, so warmup has nothing more to run for it.
             logits = self.model.compute_logits(hidden[:n])
             del logits
         self.seam.mark_step()
+
+    def _intermediate_tensors_for(self, num_tokens: int) -> Any:
+        """The runner's receive buffers for the previous stage's tensors, `num_tokens` long
+        (allocated once at the runner's largest token count, as vLLM's runner does)."""
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens,
+                dtype=self.model_config.dtype,
+                device=self.device,
+            )
+        return self.sync_and_gather_intermediate_tensors(num_tokens, None, False)
 
     def lora_unwarmed_shapes(self) -> list[tuple]:
         """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""

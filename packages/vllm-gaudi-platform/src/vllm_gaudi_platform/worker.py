@@ -130,6 +130,11 @@ class HPUWorker(Worker):
         )
 
     def execute_dummy_batch(self) -> None:
+        """vLLM's step for a data-parallel rank with no requests while other ranks have some."""
+        if self.parallel_config.data_parallel_size > 1:
+            # Padding-only run of the buckets the DP ranks agree on (data_parallel.py).
+            self.model_runner.execute_idle_dp_step()
+            return
         self.model_runner._dummy_run(1, uniform_decode=True)
 
     # ------------------------------------------------------------------ sleep mode
