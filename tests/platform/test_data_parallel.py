@@ -18,10 +18,15 @@ def _emulation(monkeypatch):
 
 
 def _plan() -> BucketPlan:
+    """A grid within a budget of 64 prompt tokens per step (no (2, 64, c) bucket)."""
     return BucketPlan(
         strategy="test",
         prompt=tuple(
-            Bucket("prompt", bs, q, c) for bs in (1, 2, 4) for q in (16, 32, 64) for c in (0, 2, 4)
+            Bucket("prompt", bs, q, c)
+            for bs in (1, 2, 4)
+            for q in (16, 32, 64)
+            for c in (0, 2, 4, 8)
+            if bs * q <= 64
         ),
         decode=tuple(Bucket("decode", bs, 1, c) for bs in (2, 4, 8) for c in (4, 8, 16)),
     )
@@ -34,27 +39,33 @@ def _layout(query_lens: list[int], ctx_lens: list[int], plan: BucketPlan):
     )
 
 
+def _vector(query_lens: list[int], ctx_lens: list[int], plan: BucketPlan):
+    layout = _layout(query_lens, ctx_lens, plan)
+    return layout, data_parallel.shape_vector(layout, [-(-c // BLOCK) for c in ctx_lens])
+
+
 def test_idle_rank_contributes_zeros():
-    assert data_parallel.shape_vector(None) == data_parallel.IDLE == (0, 0, 0, 0, 0)
+    assert data_parallel.shape_vector(None) == data_parallel.IDLE == (0,) * 7
 
 
 def test_ranks_with_different_steps_end_up_with_the_same_warmed_buckets():
     plan = _plan()
-    prefill_only = _layout([20, 5], [0, 0], plan)  # prefill bucket (2, 32, 0)
-    decode_only = _layout([1, 1, 1], [30, 40, 3], plan)  # decode bucket (4, 1, 8)
-    mixed = _layout([40, 1], [20, 10], plan)  # prefill (1, 64, 2) + decode (2, 1, 4)
-    layouts = [prefill_only, decode_only, mixed, None]
-    maxima = data_parallel.combine([data_parallel.shape_vector(x) for x in layouts])
+    prefill_only = _vector([20], [0], plan)  # prefill bucket (1, 32, 0)
+    decode_only = _vector([1, 1, 1], [30, 40, 3], plan)  # decode bucket (4, 1, 8)
+    mixed = _vector([40, 1], [20, 10], plan)  # prefill (1, 64, 2) + decode (2, 1, 4)
+    ranks = [prefill_only, decode_only, mixed, (None, data_parallel.IDLE)]
+    layouts = [layout for layout, _ in ranks]
+    maxima = data_parallel.combine([vector for _, vector in ranks])
     agreed = [data_parallel.pad_to_agreed(x, maxima, plan) for x in layouts]
-    assert {a.buckets for a in agreed} == {(Bucket("prompt", 2, 64, 2), Bucket("decode", 4, 1, 8))}
+    assert {a.buckets for a in agreed} == {(Bucket("prompt", 1, 64, 2), Bucket("decode", 4, 1, 8))}
     assert all(a.warmed for a in agreed)
-    assert {a.num_tokens_padded for a in agreed} == {2 * 64 + 4}
+    assert {a.num_tokens_padded for a in agreed} == {64 + 4}
 
 
 def test_padding_keeps_each_ranks_own_requests():
     plan = _plan()
     own = _layout([20, 5, 1], [0, 0, 17], plan)
-    maxima = (4, 64, 2, 8, 16)
+    maxima = (2, 32, 2, 8, 16, 25, 0)
     padded = data_parallel.pad_to_agreed(own, maxima, plan)
     assert padded.query_lens == own.query_lens
     assert padded.prefill.row_members == own.prefill.row_members
@@ -63,19 +74,39 @@ def test_padding_keeps_each_ranks_own_requests():
 
 def test_agreed_shape_outside_the_plan_runs_exactly_and_counts_as_not_warmed():
     plan = _plan()
-    padded = data_parallel.pad_to_agreed(None, (8, 64, 0, 0, 0), plan)
-    assert padded.prefill.bucket == Bucket("prompt", 8, 64, 0)
+    padded = data_parallel.pad_to_agreed(None, (8, 64, 0, 0, 0, 512, 0), plan)
+    assert padded.prefill.bucket == Bucket("prompt", 1, 512, 0)
     assert not padded.warmed
+
+
+def test_ranks_whose_prefill_maxima_form_no_bucket_all_pack_into_one_row():
+    plan = _plan()
+    two_rows, two_rows_vector = _vector([16, 16, 16, 16], [0, 0, 0, 0], plan)  # (4, 16, 0)
+    packed, packed_vector = _vector([40, 20], [40, 0], plan)  # no (2, 64, 4): packed (1, 64, 4)
+    assert packed.prefill.rows == 1 and two_rows.prefill.rows == 4
+    maxima = data_parallel.combine([two_rows_vector, packed_vector])  # (4, 64, 4): no bucket
+    agreed = [data_parallel.pad_to_agreed(x, maxima, plan) for x in (two_rows, packed)]
+    assert {a.buckets for a in agreed} == {(Bucket("prompt", 1, 64, 4),)}
+    assert agreed[0].prefill.row_members == ((0, 1, 2, 3),)
+    assert all(a.warmed for a in agreed)
 
 
 def test_agreement_without_a_part_this_rank_has_is_refused():
     plan = _plan()
     own = _layout([1], [5], plan)
     with pytest.raises(ValueError, match="no decode part"):
-        data_parallel.pad_to_agreed(own, (1, 16, 0, 0, 0), plan)
+        data_parallel.pad_to_agreed(own, (1, 16, 0, 0, 0, 16, 0), plan)
 
 
-@pytest.mark.parametrize("maxima", [(4, 64, 4, 8, 16), (2, 32, 4, 0, 0), (0, 0, 0, 8, 16)])
+@pytest.mark.parametrize(
+    "maxima",
+    [
+        (4, 64, 4, 8, 16, 64, 4),
+        (2, 32, 4, 0, 0, 32, 4),
+        (0, 0, 0, 8, 16, 0, 0),
+        (8, 64, 4, 0, 0, 64, 8),
+    ],
+)
 def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch, maxima):
     plan = _plan()
     if maxima[3] == 0:
@@ -92,14 +123,7 @@ def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch
 
     monkeypatch.setattr(step_layout, "plan_step", agreed_step)
     out, ref, layout = test_attention._run(query_lens, ctx_lens, plan)
-    assert data_parallel.shape_vector(layout) >= data_parallel.shape_vector(
-        plan_step(
-            query_lens=query_lens,
-            seq_lens=[q + c for q, c in zip(query_lens, ctx_lens)],
-            block_size=BLOCK,
-            plan=plan,
-        )
-    )
+    assert layout.warmed
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out, own, atol=1e-5, rtol=1e-5)
 
@@ -108,7 +132,7 @@ def test_idle_rank_metadata_is_all_padding():
     from vllm_gaudi_platform.attention import build_metadata
 
     plan = _plan()
-    layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8), plan)
+    layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), plan)
     md = build_metadata(
         layout=layout,
         seq_lens=[],

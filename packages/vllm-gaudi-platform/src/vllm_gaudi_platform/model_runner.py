@@ -336,7 +336,8 @@ class HPUModelRunner(GPUModelRunner):
             plan=self.bucket_plan,
         )
         if self.parallel_config.data_parallel_size > 1:
-            layout = self._agree_across_dp(layout)
+            ctx_blocks = [-(-(s - q) // self.block_size) for s, q in zip(seq_lens, query_lens)]
+            layout = self._agree_across_dp(layout, ctx_blocks)
         self.recompiles.record(layout)
         self.step_metrics.record(layout, seq_lens, self.block_size, self.recompiles.count)
         if self.trace_recorder is not None:
@@ -347,10 +348,13 @@ class HPUModelRunner(GPUModelRunner):
         return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=padded), False, across_dp, None)
 
     # ------------------------------------------------------------------ data parallelism
-    def _agree_across_dp(self, layout: step_layout.StepLayout | None) -> step_layout.StepLayout:
+    def _agree_across_dp(
+        self, layout: step_layout.StepLayout | None, ctx_blocks: list[int] | None = None
+    ) -> step_layout.StepLayout:
         """This step's layout in the buckets all DP ranks run (see data_parallel.py): one
         all-reduce (MAX) of the padded dimensions over the DP group, every step, on every rank."""
-        shape = torch.tensor(data_parallel.shape_vector(layout), dtype=torch.int64)
+        vector = data_parallel.shape_vector(layout, ctx_blocks)
+        shape = torch.tensor(vector, dtype=torch.int64)
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=get_dp_group().cpu_group)
         maxima = tuple(int(x) for x in shape.tolist())
         return data_parallel.pad_to_agreed(layout, maxima, self.bucket_plan)
