@@ -3,11 +3,12 @@ and prints one `RESULT <case> <json>` line per case:
 
     python pooling_job.py '<json job>'
 
-Job: {"cases": {name: {"model": path, "prompts": [[token ids]], "engine": {LLM kwargs}}}}.
-Each case starts `LLM(..., runner="pooling")`, embeds its prompts twice (once all together,
-mixed lengths in shared steps, once one prompt per call) and reports both sets of embeddings and
-the HPU runner's recompile statistics. A case that fails prints its error instead, so the other
-cases still report.
+Job: {"cases": {name: {"model": path, "prompts": [[token ids]], "engine": {LLM kwargs},
+"task": "embed" (default) or "classify"}}}.
+Each case starts `LLM(..., runner="pooling")`, embeds (or classifies: class probabilities) its
+prompts twice (once all together, mixed lengths in shared steps, once one prompt per call) and
+reports both sets of vectors and the HPU runner's recompile statistics. A case that fails prints
+its error instead, so the other cases still report.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ def run_case(case: dict) -> dict:
     llm = LLM(model=case["model"], runner="pooling", **case["engine"])
     try:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
-        together = llm.embed(prompts, use_tqdm=False)
-        alone = [llm.embed([p], use_tqdm=False)[0] for p in prompts]
+        if case.get("task", "embed") == "classify":
+            pool, vector = llm.classify, lambda o: o.outputs.probs
+        else:
+            pool, vector = llm.embed, lambda o: o.outputs.embedding
+        together = pool(prompts, use_tqdm=False)
+        alone = [pool([p], use_tqdm=False)[0] for p in prompts]
         return {
-            "together": [o.outputs.embedding for o in together],
-            "alone": [o.outputs.embedding for o in alone],
+            "together": [vector(o) for o in together],
+            "alone": [vector(o) for o in alone],
             "stats": llm.collective_rpc("get_recompile_stats")[0],
         }
     finally:

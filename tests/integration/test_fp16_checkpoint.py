@@ -4,13 +4,10 @@ float32 stays available."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from tests.integration.generation import assert_close, hf_greedy, make_prompts, run_engine
-from vllm_gaudi_platform import tinymodels
+from tests.integration import architectures
+from tests.integration.generation import assert_close, hf_greedy
 
 RESOLVE_DTYPES = """
 from vllm.engine.arg_utils import EngineArgs
@@ -22,21 +19,9 @@ if __name__ == "__main__":
 
 
 @pytest.fixture(scope="module")
-def fp16_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+def fp16_model() -> str:
     """The tiny Llama saved as a float16 checkpoint (weights and config.json's torch_dtype)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("fp16") / "tiny-llama-fp16"
-    shutil.copytree(tinymodels.build("llama"), path)
-    weights = load_file(path / "model.safetensors")
-    half = {name: w.to(torch.float16) for name, w in weights.items()}
-    save_file(half, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config.pop("dtype", None)
-    config["torch_dtype"] = "float16"
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
+    return str(architectures.fp16_checkpoint())
 
 
 def test_float16_resolves_to_bfloat16_and_float32_stays(fp16_model, run_python):
@@ -57,8 +42,10 @@ def test_float16_resolves_to_bfloat16_and_float32_stays(fp16_model, run_python):
 
 @pytest.mark.engine
 def test_float16_checkpoint_generates_like_transformers(fp16_model):
-    prompts = make_prompts()[:6]
-    proc, result = run_engine(fp16_model, prompts, emulate=True, engine={"dtype": "float16"})
+    # Shared with test_cpu_backend.py: the same run is compared with vLLM's CPU backend.
+    prompts = architectures.prompts("llama-fp16")
+    assert architectures.CASES["llama-fp16"].hpu_engine == {"dtype": "float16"}
+    proc, result = architectures.hpu_run("llama-fp16")
     assert result is not None, proc.stderr[-4000:]
     assert "not a native Gaudi type" in proc.stdout + proc.stderr
     # The reference runs the same weights in bfloat16 too; the two sides still round differently

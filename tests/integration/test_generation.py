@@ -1,10 +1,12 @@
-"""End to end: the HPU platform in CPU emulation generates what transformers and vLLM's own CPU
-backend generate on the same tiny Llama, with static bucketed shapes and no recompiles."""
+"""End to end: the HPU platform in CPU emulation generates what transformers generates on the
+same tiny Llama (vLLM's own CPU backend: test_cpu_backend.py, on this module's outputs), with
+static bucketed shapes and no recompiles."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.integration.architectures import CASES, hpu_run
 from tests.integration.generation import assert_close, hf_greedy, make_prompts, run_engine
 from vllm_gaudi_platform import tinymodels
 
@@ -23,8 +25,11 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hpu(model, prompts) -> dict:
-    # Two rounds: the second finds the shared 140-token prefix in the prefix cache.
-    proc, result = run_engine(model, prompts, emulate=True, rounds=2)
+    # Two rounds: the second finds the shared 140-token prefix in the prefix cache. The run is
+    # shared with test_cpu_backend.py (which compares it with vLLM's CPU backend).
+    case = CASES["llama"]
+    assert str(case.build()) == model and case.rounds == 2
+    proc, result = hpu_run("llama")
     assert result is not None, proc.stderr[-4000:]
     return result
 
@@ -41,13 +46,6 @@ def test_generation_runs_on_the_hpu_platform(hpu):
 def test_greedy_tokens_match_transformers(hpu, reference):
     diverged = assert_close(hpu["rounds"][0], reference, "HPU emulation vs transformers")
     assert diverged <= 2, f"{diverged} of 10 prompts hit near-ties; expected at most 2"
-
-
-def test_greedy_tokens_match_vllm_cpu_backend(hpu, model, prompts):
-    proc, cpu = run_engine(model, prompts, emulate=False)
-    assert cpu is not None, proc.stderr[-4000:]
-    assert cpu["platform"] == "CpuPlatform"
-    assert_close(hpu["rounds"][0], cpu["rounds"][0], "HPU emulation vs vLLM CPU backend")
 
 
 def test_greedy_outputs_with_graphs_and_async_scheduling_equal_a_plain_eager_engine(

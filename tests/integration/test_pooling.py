@@ -1,4 +1,5 @@
-"""Pooling models (`runner="pooling"`, embeddings) on the HPU platform in CPU emulation.
+"""Pooling models (`runner="pooling"`: embeddings, classification) on the HPU platform in CPU
+emulation.
 
 Two tiny models: the random Llama as a decoder embedding model (vLLM's default for it: the last
 token's hidden state, L2-normalised) and a tiny BERT, an encoder-only model whose attention is
@@ -6,6 +7,10 @@ bidirectional (`AttentionType.ENCODER_ONLY`, no KV cache), mean-pooled and L2-no
 compared with transformers computing the same pooling on its own hidden states. The Llama runs
 offline (`LLM(..., runner="pooling").embed`, in the job process of pooling_job.py); the BERT runs
 in a server answering `/v1/embeddings` (two engines in all: each start costs about a minute).
+
+A classification model (the tiny Llama with a 3-class score head,
+LlamaForSequenceClassification) runs in the same job process after the embedding model; its class
+probabilities must equal transformers' softmax of the same head.
 
 The prompts (1 to 300 tokens) are embedded together, so prompts of mixed lengths share bucketed
 steps (packed rows, a one-token prompt in the decode part), and again one by one: both must equal
@@ -50,8 +55,43 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, str]:
-    return {"llama": str(tinymodels.build("llama")), "bert": str(tinymodels.build("bert"))}
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {
+        "llama": str(tinymodels.build("llama")),
+        "bert": str(tinymodels.build("bert")),
+        "classifier": str(classifier(tmp_path_factory.mktemp("classifier"))),
+    }
+
+
+def classifier(folder: Path) -> Path:
+    """The tiny Llama with a seeded 3-class score head on its last token's hidden state
+    (LlamaForSequenceClassification, which vLLM runs as a classification model)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    source = tinymodels.build("llama")
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification.from_pretrained(
+        source, num_labels=3, torch_dtype=torch.float32
+    )
+    with torch.no_grad():  # a head large enough that the classes differ clearly
+        model.score.weight.normal_(0.0, 0.25)
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def hf_class_probabilities(model: str, prompts: list[list[int]]) -> list[list[float]]:
+    """transformers' class probabilities (softmax of the score head on the last token), one
+    prompt at a time."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(model, torch_dtype=torch.float32)
+    with torch.no_grad():
+        return [
+            hf.eval()(input_ids=torch.tensor([p])).logits[0].softmax(-1).tolist() for p in prompts
+        ]
 
 
 def hf_embeddings(model: str, prompts: list[list[int]], pooling: str) -> list[list[float]]:
@@ -75,13 +115,22 @@ def references(models, prompts) -> dict[str, list[list[float]]]:
     return {
         "llama": hf_embeddings(models["llama"], prompts, "last"),
         "bert": hf_embeddings(models["bert"], prompts, "mean"),
+        "classifier": hf_class_probabilities(models["classifier"], prompts),
     }
 
 
 @pytest.fixture(scope="module")
 def offline(models, prompts) -> dict[str, dict]:
     """The offline case (the decoder model), run in the job process."""
-    cases = {"llama": {"model": models["llama"], "prompts": prompts, "engine": ENGINE}}
+    cases = {
+        "llama": {"model": models["llama"], "prompts": prompts, "engine": ENGINE},
+        "classifier": {
+            "model": models["classifier"],
+            "prompts": prompts,
+            "engine": ENGINE,
+            "task": "classify",
+        },
+    }
     proc = run_job(JOB, json.dumps({"cases": cases}), timeout=900)
     results = named_job_outputs(proc)
     for name in cases:
@@ -184,3 +233,20 @@ def test_served_encoder_model_runs_no_shape_after_warmup_that_warmup_did_not(ber
     stats = resp.json()["results"][0]
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["warmup_seconds"] is not None
+
+
+def test_offline_class_probabilities_of_mixed_length_batch_equal_transformers(offline, references):
+    err = max_error(offline["classifier"]["together"], references["classifier"])
+    print(f"classifier offline, together: largest probability difference {err:.2e}")
+    assert err < TOLERANCE, f"largest probability difference {err:.2e}"
+
+
+def test_offline_class_probabilities_of_single_prompts_equal_transformers(offline, references):
+    err = max_error(offline["classifier"]["alone"], references["classifier"])
+    print(f"classifier offline, alone: largest probability difference {err:.2e}")
+    assert err < TOLERANCE, f"largest probability difference {err:.2e}"
+
+
+def test_classification_model_runs_no_shape_after_warmup_that_warmup_did_not(offline):
+    stats = offline["classifier"]["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]

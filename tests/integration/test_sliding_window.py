@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.generation import assert_close, hf_greedy, make_prompts, run_engine
+from tests.integration import architectures
+from tests.integration.generation import assert_close, hf_greedy, make_prompts
 from vllm_gaudi_platform import tinymodels
 
 pytestmark = pytest.mark.engine
@@ -23,7 +24,9 @@ def case(request) -> tuple[str, dict, list[dict]]:
     name = request.param
     model = str(tinymodels.build(name))
     prompts = make_prompts()
-    proc, result = run_engine(model, prompts, emulate=True)
+    # Shared with test_cpu_backend.py: one HPU engine per model and session.
+    assert architectures.prompts(name) == prompts
+    proc, result = architectures.hpu_run(name)
     assert result is not None, proc.stderr[-4000:]
     reference = hf_greedy(model, prompts, attn_implementation=MODELS[name])
     return name, result, reference

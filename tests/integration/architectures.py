@@ -1,0 +1,115 @@
+"""The architectures the HPU engine tests cover, each as ONE engine run shared by every test that
+needs it: the architecture's own test (vs transformers) and the cross-check with vLLM's CPU
+backend (test_cpu_backend.py) read the same HPU outputs, whichever runs first starts the engine.
+
+vLLM's CPU backend runs all of them one after another in a single process (`cpu_runs`), so the
+cross-check costs one process start plus one engine per architecture, with no extra HPU engine.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.integration.generation import (
+    ENGINE,
+    make_prompts,
+    named_job_outputs,
+    run_engine,
+    run_job,
+)
+from vllm_gaudi_platform import tinymodels
+
+SEQUENTIAL_JOB = Path(__file__).with_name("sequential_job.py")
+
+
+def fp16_checkpoint() -> Path:
+    """The tiny Llama saved as a float16 checkpoint (weights and config.json's torch_dtype),
+    next to the tiny models and reused like them."""
+    source = tinymodels.build("llama")
+    path = source.with_name(source.name + "-fp16")
+    if (path / "config.json").exists():
+        return path
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    weights = load_file(tmp / "model.safetensors")
+    half = {name: w.to(torch.float16) for name, w in weights.items()}
+    save_file(half, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float16"
+    (tmp / "config.json").write_text(json.dumps(config))
+    tmp.rename(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Case:
+    """One architecture's shared engine run."""
+
+    build: Callable[[], Path]
+    prompts: int = 10  # the first n of make_prompts()
+    rounds: int = 1
+    hpu_engine: dict[str, Any] = field(default_factory=dict)  # LLM kwargs over generation.ENGINE
+    # vLLM's CPU backend: the same computation (fp16 runs in bf16 on HPU, so bf16 here too).
+    cpu_engine: dict[str, Any] = field(default_factory=dict)
+
+
+CASES: dict[str, Case] = {
+    "llama": Case(lambda: tinymodels.build("llama"), rounds=2),
+    "gemma2": Case(lambda: tinymodels.build("gemma2")),  # window 64 + soft-capping
+    "mistral": Case(lambda: tinymodels.build("mistral")),  # window 48
+    "llama-fp16": Case(
+        fp16_checkpoint,
+        prompts=6,
+        hpu_engine={"dtype": "float16"},
+        cpu_engine={"dtype": "bfloat16"},
+    ),
+    "bloom": Case(lambda: tinymodels.build("bloom")),  # ALiBi
+}
+
+_HPU_RUNS: dict[str, tuple[subprocess.CompletedProcess[str], dict | None]] = {}
+
+
+def prompts(name: str) -> list[list[int]]:
+    return make_prompts()[: CASES[name].prompts]
+
+
+def hpu_run(name: str) -> tuple[subprocess.CompletedProcess[str], dict | None]:
+    """(process, result) of the architecture's HPU engine run, started once per test session."""
+    if name not in _HPU_RUNS:
+        case = CASES[name]
+        _HPU_RUNS[name] = run_engine(
+            str(case.build()),
+            prompts(name),
+            emulate=True,
+            rounds=case.rounds,
+            engine=case.hpu_engine,
+        )
+    return _HPU_RUNS[name]
+
+
+def cpu_runs(names: list[str], timeout: float = 1200) -> tuple[subprocess.CompletedProcess, dict]:
+    """Greedy outputs of vLLM's own CPU backend for each architecture, all in one process, one
+    engine after another (eager: torch.compile would cost more than the few tokens it runs)."""
+    jobs = {
+        name: {
+            "model": str(CASES[name].build()),
+            "prompts": prompts(name),
+            "max_tokens": 12,
+            "engine": {**ENGINE, "enforce_eager": True, **CASES[name].cpu_engine},
+            "rounds": 1,
+        }
+        for name in names
+    }
+    proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), emulate=False, timeout=timeout)
+    return proc, named_job_outputs(proc)
