@@ -233,8 +233,34 @@ def test_optional_dependencies_are_info_only_for_installed_wheels(capsys, emulat
 
     _, report = doctor_json(capsys)
 
-    assert report["optional"] == []
+    assert {o["wheel"] for o in report["optional"]} <= {"vllm-gaudi-platform"}
     assert not any("neural" in line or "nixl" in line for line in report["info"])
+
+
+def test_ray_line_names_the_hpu_resource_each_worker_requests(capsys, emulation, monkeypatch):
+    monkeypatch.setenv("VLLM_RAY_PER_WORKER_GPUS", "1")
+
+    _, report = doctor_json(capsys)
+
+    [ray] = [o for o in report["optional"] if o["package"] == "ray"]
+    assert ray["installed"] is True
+    [line] = [line for line in report["info"] if line.startswith("ray ")]
+    assert "{'HPU': 1.0}" in line and "--resources" in line
+
+
+def test_missing_ray_is_info_naming_the_platform_extra(capsys, emulation, monkeypatch):
+    real_find_spec = doctor.importlib.util.find_spec
+    monkeypatch.setattr(
+        doctor.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "ray" else real_find_spec(name, *a),
+    )
+
+    status, report = doctor_json(capsys)
+
+    [line] = [line for line in report["info"] if line.startswith("ray ")]
+    assert "vllm-gaudi-platform[ray]" in line
+    assert status == 0 and not [p for p in report["problems"] if "ray" in p]
 
 
 def test_missing_optional_dependency_is_info_not_a_problem(capsys, emulation, monkeypatch):

@@ -54,6 +54,15 @@ class OptionalDependency:
 
 
 OPTIONAL_DEPENDENCIES: dict[str, tuple[OptionalDependency, ...]] = {
+    "vllm-gaudi-platform": (
+        OptionalDependency(
+            "ray",
+            "ray",
+            ("ray",),
+            "pip install 'vllm-gaudi-platform[ray]'",
+            "vLLM's Ray executor (--distributed-executor-backend ray, multi-node)",
+        ),
+    ),
     "vllm-gaudi-quant": (
         OptionalDependency(
             "neural-compressor",
@@ -359,7 +368,9 @@ def _check_optional(report: Report, wheels: list[Wheel]) -> None:
                     "version": version,
                 }
             )
-            if found and dep.import_name == "nixl":
+            if dep.import_name == "ray":
+                _report_ray(report, version if found else None)
+            elif found and dep.import_name == "nixl":
                 _check_nixl_backend(report, version)
             elif found and wheel.name == QUANT_WHEEL:
                 # Whether its method is available is the quantization check's to say: the
@@ -372,6 +383,28 @@ def _check_optional(report: Report, wheels: list[Wheel]) -> None:
                     f"{dep.package} (import {dep.import_name}) not installed: {dep.enables} is "
                     f"off; {dep.install}"
                 )
+
+
+def _report_ray(report: Report, version: str | None) -> None:
+    """Whether vLLM's Ray executor can run, and which Ray resources each worker will ask for."""
+    from vllm_gaudi_platform import ray_cluster
+
+    request = ray_cluster.per_worker_request()
+    if version is None:
+        report.info.append(
+            f"ray not installed: vLLM's Ray executor is off; {ray_cluster.RAY_EXTRA}"
+        )
+        return
+    where = (
+        "a CPU-only cluster must declare them, e.g. "
+        f"ray start --head --resources='{{\"{ray_cluster.RAY_RESOURCE}\": 2}}'"
+        if os.environ.get(envs.VLLM_HPU_EMULATION)
+        else "Ray detects Gaudi modules through habana_frameworks"
+    )
+    report.info.append(
+        f"ray {version} found: vLLM's Ray executor is available; each worker requests Ray "
+        f"resources {request} ({where})"
+    )
 
 
 # Run in a child interpreter: loading NIXL's agent imports torch and native plugins, which doctor

@@ -23,6 +23,8 @@ _seam = backend()
 ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"
 # DeepSeek-style multi-head latent attention (MLA) layers.
 MLA_BACKEND_CLS = "vllm_gaudi_platform.mla.HPUMLABackend"
+# Set to 1 in Ray workers so Ray does not narrow HABANA_VISIBLE_MODULES to the actor's own module.
+RAY_NOSET_VISIBLE_MODULES = "RAY_EXPERIMENTAL_NOSET_HABANA_VISIBLE_MODULES"
 
 
 def _register_attention_backend() -> None:
@@ -83,7 +85,11 @@ class HpuPlatform(Platform):
     # attention, bucketing and kernels), only the seam below it differs.
     device_type: str = _seam.DEVICE_TYPE
     dispatch_key: str = _seam.DISPATCH_KEY
+    # vLLM's Ray executor places one worker per Ray "HPU" resource (Ray detects Gaudis itself; a
+    # CPU-only cluster must declare them, e.g. `ray start --head --resources='{"HPU": 2}'`) and
+    # picks the module by local rank, so Ray must leave HABANA_VISIBLE_MODULES alone.
     ray_device_key: str = "HPU"
+    ray_noset_device_env_vars: list[str] = [RAY_NOSET_VISIBLE_MODULES]
     dist_backend: str = _seam.DIST_BACKEND
     device_control_env_var: str = envs.HABANA_VISIBLE_MODULES
     simple_compile_backend: str = _seam.COMPILE_BACKEND
@@ -274,6 +280,10 @@ class HpuPlatform(Platform):
                 compilation_config.backend = cls.simple_compile_backend
 
         _set_gaudi_runtime_env()
+        if parallel_config.use_ray:
+            from vllm_gaudi_platform import ray_cluster
+
+            ray_cluster.prepare(parallel_config, emulated=bool(_seam.IS_EMULATED))
         _check_bucketing(vllm_config)
 
         model_config = vllm_config.model_config
