@@ -626,7 +626,7 @@ class HPUModelRunner(GPUModelRunner):
     def _intermediate_tensors_for(self, num_tokens: int) -> Any:
         """The runner's receive buffers for the previous stage's tensors, `num_tokens` long
         (allocated once at the runner's largest token count, as vLLM's runner does)."""
-        if self.intermediate_tensors is None:
+        if getattr(self, "intermediate_tensors", None) is None:
             self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
                 batch_size=self.max_num_tokens,
                 dtype=self.model_config.dtype,
