@@ -98,6 +98,29 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # ALiBi position biases instead of rotary embeddings; multi-head attention (vLLM would read
     # the base's num_key_value_heads as BLOOM's KV head count) and a tied LM head, as BLOOM has.
     "bloom": ("BloomConfig", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    # DeepSeek-V2 multi-head latent attention with its MoE: layer 0 dense, layer 1 four routed
+    # experts in two groups (grouped top-k: best group, then top 2) plus a shared expert. The
+    # latent width kv_lora_rank + qk_rope_head_dim = 576 is DeepSeek's own, the one size vLLM's
+    # CPU MLA decode kernel takes.
+    "deepseek-v2": (
+        "DeepseekV2Config",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 32,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "topk_method": "group_limited_greedy",
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+        },
+    ),
 }
 
 
