@@ -28,6 +28,7 @@ def test_alibi_model_runs_on_the_hpu_platform_with_prompts_longer_than_a_block(b
 def test_greedy_tokens_match_transformers(bloom):
     reference = hf_greedy(str(CASES["bloom"].build()), prompts("bloom"))
     diverged = assert_close(bloom["rounds"][0], reference, "BLOOM on HPU vs transformers")
+    print(f"BLOOM: {diverged} of 10 prompts diverge from transformers (top-5 rule)")
     assert diverged <= 2, f"{diverged} of 10 prompts hit near-ties; expected at most 2"
 
 
