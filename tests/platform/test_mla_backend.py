@@ -165,3 +165,26 @@ def test_mla_writes_each_new_tokens_latent_row_to_its_cache_slot():
     plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
     *_, cache, slot_mapping, new = _run([1, 9], [15, 4], plan)
     assert torch.equal(cache.view(-1, RANK + ROPE)[slot_mapping], new)
+
+
+def test_platform_selects_the_hpu_mla_backend_for_mla_layers():
+    from types import SimpleNamespace
+
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    from vllm_gaudi_platform.mla import HPUMLAImpl, HPUMLAPrefillBackend
+    from vllm_gaudi_platform.platform import HpuPlatform
+
+    path = HpuPlatform.get_attn_backend_cls(None, SimpleNamespace(use_mla=True, use_sparse=False))
+    backend = resolve_obj_by_qualname(path)
+    assert backend.is_mla() and backend.get_impl_cls() is HPUMLAImpl
+    assert HpuPlatform.get_mla_prefill_backend_cls(None) is HPUMLAPrefillBackend
+
+
+def test_platform_refuses_sparse_mla_by_name():
+    from types import SimpleNamespace
+
+    from vllm_gaudi_platform.platform import HpuPlatform
+
+    with pytest.raises(NotImplementedError, match="Sparse attention"):
+        HpuPlatform.get_attn_backend_cls(None, SimpleNamespace(use_mla=True, use_sparse=True))
