@@ -10,7 +10,7 @@ rounds (how many times to submit the prompts; later rounds hit the prefix cache)
 also report the HPU runner's recompile statistics), reallocate_input_ids (bool: then inject a
 runner bug, a fresh input_ids buffer after the graphs were captured, generate once more and
 report the error as `after_reallocation`; needs the engine in-process,
-VLLM_ENABLE_V1_MULTIPROCESSING=0).
+VLLM_ENABLE_V1_MULTIPROCESSING=0, generation.run_job's default).
 """
 
 from __future__ import annotations

@@ -51,8 +51,14 @@ def run_job(
     timeout: float = 600,
 ) -> subprocess.CompletedProcess[str]:
     """`python script arg` in a fresh process that inherits no VLLM_* variable from this one: the
-    HPU platform in emulation (`emulate`) or vLLM's own CPU backend with no plugin, plus `env`."""
+    HPU platform in emulation (`emulate`) or vLLM's own CPU backend with no plugin, plus `env`.
+
+    The engine core runs inside the job's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless `env`
+    says otherwise: a spawned engine-core process imports torch and vLLM a second time, 20-50 s
+    per job on a loaded 2-core machine, and every engine of a multi-engine job pays it again.
+    The served tests (openai_server, tests/connectors) keep vLLM's engine-core process."""
     run_env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    run_env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if emulate:
         run_env["VLLM_HPU_EMULATION"] = "cpu"
     else:
