@@ -3,9 +3,11 @@
 One deployment for the module: a prefill instance and a decode instance (vLLM servers with
 HpuNixlConnector; NIXL's UCX backend moves their host-memory KV blocks) behind `vllm-gaudi
 proxy`. A single instance without a connector starts beside them, answers the reference prompts
-and is stopped before the pair is used. Prompts are token ids, so their lengths (and the number of
-128-token blocks they fill) are exact. The tests run in file order: the last ones kill the
-prefill instance.
+and is stopped before the pair is used. A second decode instance with another KV cache dtype
+(fp8_inc) starts with them too, for the refused-handshake test against the same prefill instance
+(one deployment instead of a second module starting its own pair). Prompts are token ids, so their
+lengths (and the number of 128-token blocks they fill) are exact. The tests run in file order: the
+last ones kill the prefill instance.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ DTYPE = "float32"
 # Tiny Llama: 2 layers x (key + value) x 128 token slots x 2 KV heads x 32 dims x 4 bytes.
 BLOCK_BYTES = 2 * 2 * cluster.BLOCK_SIZE * 2 * 32 * 4
 BYTES = "vllm:nixl_bytes_transferred_sum"
+# The mismatched decode instance's KV cache dtype; the prefill instance keeps vLLM's default.
+MISMATCHED_KV_CACHE_DTYPE = "fp8_inc"
 FAILED = "vllm:nixl_num_failed_transfers_total"
 
 
@@ -124,6 +128,7 @@ class Deployment:
     prefill: cluster.Server
     decode: cluster.Server
     proxy: cluster.Server
+    mismatched: cluster.Server  # decode instance whose KV cache dtype differs from prefill's
     reference: list[list[int]]  # the single instance's greedy token ids for PROMPTS
     reference_orphan: list[int]
     reference_after: list[int]
@@ -153,16 +158,26 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
         dtype=DTYPE,
     )
+    # vLLM's default kv_load_failure_policy ("fail"): a refused handshake fails the request.
+    mismatched = cluster.start_vllm(
+        "mismatched-decode",
+        model,
+        logs,
+        kv_config=cluster.kv_transfer_config("kv_consumer"),
+        env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
+        dtype=DTYPE,
+        extra_args=["--kv-cache-dtype", MISMATCHED_KV_CACHE_DTYPE],
+    )
     proxy = cluster.start_proxy([prefill.url], [decode.url], logs, PROXY_TIMEOUT_S)
-    servers = [single, prefill, decode, proxy]
+    servers = [single, prefill, decode, mismatched, proxy]
     try:
         # The reference is taken while the pair is still starting, and the single instance is
         # stopped before the pair serves.
         cluster.wait_ready(single)
         reference = [_token_ids(_complete(single.url, p)) for p in [*PROMPTS, ORPHAN, AFTER]]
         single.stop()
-        cluster.wait_ready(prefill, decode, proxy)
-        yield Deployment(prefill, decode, proxy, reference[:-2], *reference[-2:])
+        cluster.wait_ready(prefill, decode, proxy, mismatched)
+        yield Deployment(prefill, decode, proxy, mismatched, reference[:-2], *reference[-2:])
     finally:
         for server in servers:
             server.stop()
@@ -219,6 +234,28 @@ def test_prefill_frees_blocks_no_decode_reads_after_the_lease(deployment):
         assert time.monotonic() < deadline, "prefill blocks still held long after the lease"
         time.sleep(0.5)
     assert cluster.metric_sum(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+
+
+def test_handshake_with_another_kv_cache_dtype_is_refused_naming_both_values(deployment):
+    """vLLM refuses the handshake naming two compatibility hashes; HpuNixlConnector compares the
+    fields first and names the differing one with both values. The request fails (the instance
+    runs vLLM's default kv_load_failure_policy, "fail") with an HTTP 500 instead of hanging, and
+    the instance keeps serving."""
+    mismatched = deployment.mismatched
+    prompt = _random_tokens(random.Random(5), 200)
+    params = _prefill_only(deployment.prefill, prompt)
+
+    started = time.monotonic()
+    answer = _complete(mismatched.url, prompt, kv_transfer_params=params)
+    elapsed = time.monotonic() - started
+
+    assert answer.status_code == 500, answer.text
+    assert elapsed < 30
+    log = mismatched.log.read_text(errors="replace")
+    assert "NIXL handshake with the instance at" in log, mismatched.log_tail()
+    difference = f"cache_dtype: local {MISMATCHED_KV_CACHE_DTYPE}, remote auto"
+    assert difference in log, mismatched.log_tail()
+    assert _complete(mismatched.url, prompt).status_code == 200  # still serving
 
 
 def test_decode_recomputes_a_request_whose_prefill_instance_died(deployment):
