@@ -1,0 +1,173 @@
+"""Greedy generation of one model single-process, with pipeline parallelism 2 and with data
+parallelism 2, for test_parallel.py. Prints one `RESULT <case> <json>` line per case.
+
+    python parallel_job.py '<json job>'
+
+Job keys: model, prompts, max_tokens, engine (LLM kwargs shared by every case), cases (of
+"single", "pp2", "dp2", "dp2ep"). The single and PP cases run one after the other in this
+process. DP 2 runs as vLLM's offline data-parallel mode does: two processes (this script with
+"dp_rank"), each one DP rank with its own share of the prompts, joined through VLLM_DP_*
+variables; "dp2ep" also splits the experts between the two ranks (expert parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=5, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [
+                {str(t): lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs
+            ],
+        }
+        for o in outs
+    ]
+
+
+def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> dict:
+    """One engine: its outputs, every worker's recompile stats and the seconds it took.
+    `between(stage)` is called after generating ("generated") and before shutting the engine
+    down ("done"): the DP ranks meet there."""
+    import gc
+
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(model=job["model"], **job["engine"], **engine)
+    outputs = generate(llm, prompts, job["max_tokens"])
+    seconds = time.perf_counter() - start
+    if between:
+        between("generated")
+    result = {
+        "outputs": outputs,
+        "stats": llm.collective_rpc("get_recompile_stats"),
+        "seconds": seconds,
+    }
+    if between:
+        between("done", result)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return result
+
+
+def dp_shares(num_prompts: int) -> list[list[int]]:
+    """Prompt indices per DP rank: rank 1 gets two prompts only, so it runs out of requests
+    while rank 0 still has some and must run idle (dummy) steps."""
+    return [[i for i in range(num_prompts) if i not in (1, 3)], [1, 3]]
+
+
+def run_dp(job: dict, **engine) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs, logs = [], []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "VLLM_DP_RANK": str(rank),
+            "VLLM_DP_RANK_LOCAL": str(rank),
+            "VLLM_DP_SIZE": "2",
+            "VLLM_DP_MASTER_IP": "127.0.0.1",
+            "VLLM_DP_MASTER_PORT": str(port),
+        }
+        arg = json.dumps({**job, "engine": {**job["engine"], **engine}, "dp_rank": rank})
+        logs.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115 - lives as long as the job
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, arg],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logs[-1],
+                text=True,
+            )
+        )
+
+    def read(rank: int, prefix: str) -> str:
+        proc = procs[rank]
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        proc.wait()
+        logs[rank].seek(0)
+        raise RuntimeError(
+            f"DP rank {rank} failed ({proc.returncode}):\n{logs[rank].read()[-6000:]}"
+        )
+
+    def tell_all(word: str) -> None:
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write(word + "\n")
+            proc.stdin.flush()
+
+    # A rank that finished its prompts keeps running idle steps for the other one: no rank asks
+    # for its statistics or shuts its engine down before every rank has generated.
+    try:
+        for rank in range(2):
+            read(rank, "GENERATED")
+        tell_all("stats")
+        results = [json.loads(read(rank, "RANK ")) for rank in range(2)]
+        tell_all("exit")
+        for proc in procs:
+            proc.wait(timeout=120)
+    finally:
+        for proc in procs:  # a failed rank leaves the other waiting in a collective
+            if proc.poll() is None:
+                proc.kill()
+    outputs: list[dict | None] = [None] * len(job["prompts"])
+    for share, result in zip(dp_shares(len(job["prompts"])), results):
+        for i, out in zip(share, result["outputs"]):
+            outputs[i] = out
+    return {
+        "outputs": outputs,
+        "stats": [s for r in results for s in r["stats"]],
+        "seconds": max(r["seconds"] for r in results),
+    }
+
+
+def main(job: dict) -> None:
+    if "dp_rank" in job:
+        share = dp_shares(len(job["prompts"]))[job["dp_rank"]]
+
+        def between(stage: str, result: dict | None = None) -> None:
+            if stage == "generated":
+                print("GENERATED", flush=True)
+                sys.stdin.readline()  # "stats": every rank has generated
+            else:
+                print("RANK " + json.dumps(result), flush=True)
+                sys.stdin.readline()  # "exit": every rank has its statistics
+
+        run_engine(job, [job["prompts"][i] for i in share], between=between)
+        return
+    for case in job["cases"]:
+        if case == "single":
+            result = run_engine(job, job["prompts"])
+        elif case == "pp2":
+            result = run_engine(job, job["prompts"], pipeline_parallel_size=2)
+        elif case == "dp2":
+            result = run_dp(job)
+        elif case == "dp2ep":  # experts split between the DP ranks
+            result = run_dp(job, enable_expert_parallel=True)
+        else:
+            raise ValueError(f"unknown case {case!r}")
+        print(f"RESULT {case} " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
