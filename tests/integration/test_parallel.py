@@ -34,7 +34,11 @@ def results() -> dict:
         "engine": {**ENGINE, "max_num_seqs": 8},
         "cases": CASES,
     }
-    proc = run_job_process(JOB, json.dumps(job), {"VLLM_CPU_KVCACHE_SPACE": "1"}, timeout=1200)
+    # vLLM's engine-core processes, not the in-process engine run_job defaults to: an offline DP
+    # rank's idle steps and its wave agreement with the other rank come from the DP engine
+    # core's busy loop, which only the engine-core process runs.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = run_job_process(JOB, json.dumps(job), env, timeout=1200)
     found = named_job_outputs(proc)
     if set(found) != set(CASES):
         pytest.fail(
