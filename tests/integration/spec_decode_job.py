@@ -2,15 +2,16 @@
 
     python spec_decode_job.py '<json job>'
 
-One process, two engines one after the other on the HPU platform (CPU emulation): the same greedy
-prompts without speculation, then with the n-gram drafter; the second run also samples a few
-requests at temperature 1 in the same batch (mixed greedy/random verification). It reports both
-runs' tokens, vLLM's spec-decode counters (the metrics vLLM logs and exports) and the runner's
-recompile statistics of the speculative run.
+One process, several engines one after the other on the HPU platform (CPU emulation): the same
+greedy prompts without speculation, then with each drafter of the job (n-gram, EAGLE, EAGLE-3);
+each speculative run also samples a few requests at temperature 1 in the same batch (mixed
+greedy/random verification). It reports the plain run's tokens and, per drafter, its tokens,
+vLLM's spec-decode counters (the metrics vLLM logs and exports) and the runner's recompile
+statistics.
 
 Job keys: model (path), prompts (token id lists), max_tokens, engine (LLM kwargs),
-speculative_config (LLM's speculative_config), random_prompts (how many prompts to also sample at
-temperature 1 in the speculative run).
+speculative_configs (name -> LLM's speculative_config), random_prompts (how many prompts to also
+sample at temperature 1 in the speculative runs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 
 
 def _generate(llm, prompts, max_tokens, random_prompts=0):
@@ -54,15 +56,23 @@ def run(job: dict) -> dict:
     del llm
     gc.collect()
 
-    llm = LLM(model=job["model"], speculative_config=job["speculative_config"], **engine)
-    spec, sampled = _generate(llm, job["prompts"], job["max_tokens"], job.get("random_prompts", 0))
-    return {
-        "plain": plain,
-        "spec": spec,
-        "sampled": sampled,
-        "metrics": _spec_metrics(llm),
-        "stats": llm.collective_rpc("get_recompile_stats")[0],
-    }
+    runs = {}
+    for name, config in job["speculative_configs"].items():
+        start = time.perf_counter()
+        llm = LLM(model=job["model"], speculative_config=config, **engine)
+        spec, sampled = _generate(
+            llm, job["prompts"], job["max_tokens"], job.get("random_prompts", 0)
+        )
+        runs[name] = {
+            "spec": spec,
+            "sampled": sampled,
+            "metrics": _spec_metrics(llm),
+            "stats": llm.collective_rpc("get_recompile_stats")[0],
+            "seconds": time.perf_counter() - start,
+        }
+        del llm
+        gc.collect()
+    return {"plain": plain, "runs": runs}
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""End to end: speculative decoding with the n-gram drafter on the HPU platform (CPU emulation).
+"""End to end: speculative decoding on the HPU platform (CPU emulation) with the n-gram drafter
+and with an EAGLE draft head.
 
-One job process runs the same greedy prompts without and with speculation (see
+One job process runs the same greedy prompts without speculation and then with each drafter (see
 spec_decode_job.py). The model is the locally trained tiny Llama: its greedy output repeats
-phrases, so n-gram drafts get accepted (a random-weight model's output never repeats).
+phrases, so n-gram drafts get accepted (a random-weight model's output never repeats). The EAGLE
+head is fitted to it in closed form (eagle_drafts.py), so some of its drafts are accepted too.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration import eagle_drafts
 from tests.integration.generation import ENGINE, job_result, run_job
 from vllm_gaudi_platform import trainedmodel
 
@@ -29,6 +32,8 @@ TEXTS = [
     "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
 ]
 RANDOM_PROMPTS = 2
+HEADS = ("eagle",)
+DRAFTERS = ("ngram", *HEADS)
 
 
 @pytest.fixture(scope="module")
@@ -42,24 +47,39 @@ def result() -> dict:
         "prompts": [tokenizer(t)["input_ids"] for t in TEXTS],
         "max_tokens": MAX_TOKENS,
         "engine": ENGINE,
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": K,
-            "prompt_lookup_max": 3,
-            "prompt_lookup_min": 2,
+        "speculative_configs": {
+            "ngram": {
+                "method": "ngram",
+                "num_speculative_tokens": K,
+                "prompt_lookup_max": 3,
+                "prompt_lookup_min": 2,
+            },
+            **{
+                method: {
+                    "method": method,
+                    "model": str(eagle_drafts.build(method)),
+                    "num_speculative_tokens": K,
+                }
+                for method in HEADS
+            },
         },
         "random_prompts": RANDOM_PROMPTS,
     }
     return job_result(run_job(JOB, json.dumps(job)), "speculative decoding job")
 
 
-def test_greedy_tokens_with_ngram_speculation_equal_those_without(result):
-    assert result["spec"] == result["plain"]
+def test_plain_run_generates_every_token(result):
     assert all(len(tokens) == MAX_TOKENS for tokens in result["plain"])
 
 
-def test_drafts_are_proposed_and_accepted_and_vllm_counts_them(result):
-    metrics = result["metrics"]
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_tokens_with_speculation_equal_those_without(result, drafter):
+    assert result["runs"][drafter]["spec"] == result["plain"]
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_drafts_are_proposed_and_accepted_and_vllm_counts_them(result, drafter):
+    metrics = result["runs"][drafter]["metrics"]
     drafted = metrics["vllm:spec_decode_num_draft_tokens"]
     accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
 
@@ -69,15 +89,18 @@ def test_drafts_are_proposed_and_accepted_and_vllm_counts_them(result):
     assert len(per_position) == K and sum(per_position) == accepted
 
 
-def test_random_sampled_requests_verify_alongside_greedy_ones(result):
-    assert len(result["sampled"]) == RANDOM_PROMPTS
-    assert all(len(tokens) == MAX_TOKENS for tokens in result["sampled"])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_random_sampled_requests_verify_alongside_greedy_ones(result, drafter):
+    sampled = result["runs"][drafter]["sampled"]
+    assert len(sampled) == RANDOM_PROMPTS
+    assert all(len(tokens) == MAX_TOKENS for tokens in sampled)
     vocab = trainedmodel_vocab_size()
-    assert all(0 <= t < vocab for tokens in result["sampled"] for t in tokens)
+    assert all(0 <= t < vocab for tokens in sampled for t in tokens)
 
 
-def test_verification_steps_run_on_warmed_buckets(result):
-    stats = result["stats"]
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_verification_and_drafting_steps_run_on_warmed_buckets(result, drafter):
+    stats = result["runs"][drafter]["stats"]
 
     assert stats["num_verify_buckets"] > 0
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]

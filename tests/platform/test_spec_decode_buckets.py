@@ -26,16 +26,25 @@ def plan_with_verify(k: int = K):
     return plan, spec_decode.with_verify_buckets(plan, buckets)
 
 
-def test_ngram_is_accepted():
-    spec_decode.check_speculative_config(SimpleNamespace(method="ngram"))
+@pytest.mark.parametrize("method", ["ngram", "eagle"])
+def test_ngram_and_eagle_heads_are_accepted(method):
+    spec_decode.check_speculative_config(SimpleNamespace(method=method))
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "mtp", "draft_model"])
-def test_other_methods_are_refused_with_the_supported_ones_named(method):
+@pytest.mark.parametrize("method", ["medusa", "eagle3", "mtp", "draft_model", "suffix"])
+def test_other_methods_are_refused_with_the_method_and_the_supported_ones_named(method):
     with pytest.raises(ValueError) as err:
         spec_decode.check_speculative_config(SimpleNamespace(method=method))
 
-    assert repr(method) in str(err.value) and "supported: ngram" in str(err.value)
+    assert repr(method) in str(err.value)
+    assert "supported: ngram, eagle." in str(err.value)
+
+
+def test_eagle_with_parallel_drafting_is_refused():
+    with pytest.raises(ValueError, match="parallel drafting"):
+        spec_decode.check_speculative_config(
+            SimpleNamespace(method="eagle", parallel_drafting=True)
+        )
 
 
 def test_no_speculation_adds_no_buckets():
@@ -109,4 +118,4 @@ def test_the_platform_refuses_an_unsupported_method_when_the_config_is_built(run
     result = run_python(code, {"VLLM_HPU_EMULATION": "cpu"})
 
     assert result.returncode != 0
-    assert "method 'ngram_gpu' is not supported on HPU; supported: ngram" in result.stderr
+    assert "method 'ngram_gpu': it is not supported on HPU; supported: ngram" in result.stderr

@@ -38,7 +38,9 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    Also the four rejection-sampler kernels of speculative decoding (`rejection_greedy_sample_
    kernel`, `rejection_random_sample_kernel`, `expand_kernel`, `sample_recovered_tokens_kernel`),
    whose stand-ins take the kernels' parameter names so vLLM's launcher passes them by name. Can
-   go with the slot mapping's, or when vLLM's rejection sampler has a torch path.
+   go with the slot mapping's, or when vLLM's rejection sampler has a torch path. And the three
+   input kernels of vLLM's EAGLE proposer (vllm/v1/spec_decode/utils.py), likewise by name; can go
+   when the proposer prepares its inputs without Triton on non-CUDA platforms.
 
 Not process-wide but on the same list: `HPUModelRunner._share_host_buffers` (emulation only)
 points the device half of every `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at

@@ -187,6 +187,8 @@ class HPUModelRunner(GPUModelRunner):
             )
         self.warmup_seconds: float | None = None
         self._planning = False
+        # EAGLE-style drafters: their forward passes on the plan's buckets (spec_decode.py).
+        self.draft_bucketing: spec_decode.DraftBucketing | None = None
         # HPU graphs: one per warmed bucket, replayed by every serving step of that bucket
         # (hpu_graphs.py); enforce_eager=True runs every step op by op instead.
         # LoRA steps stay eager: the adapter mapping is not kept in static per-bucket buffers.
@@ -286,6 +288,7 @@ class HPUModelRunner(GPUModelRunner):
             self.model = after_load(self.model)
         if hasattr(self, "drafter"):
             self.drafter.load_model(self.model)
+            self.draft_bucketing = spec_decode.draft_bucketing(self)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -312,6 +315,13 @@ class HPUModelRunner(GPUModelRunner):
         them on the device for the next step's input ids."""
         with _cuda_streams_on_seam():
             return super().sample_tokens(grammar_output)
+
+    def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's drafting; a draft head's forward passes run on the plan's buckets."""
+        if self.draft_bucketing is None:
+            return super().propose_draft_token_ids(*args, **kwargs)
+        with self.draft_bucketing.propose():
+            return super().propose_draft_token_ids(*args, **kwargs)
 
     def _determine_batch_execution_and_padding(
         self,
@@ -565,6 +575,10 @@ class HPUModelRunner(GPUModelRunner):
             device=self.device,
         )
         self._forward_with_metadata(metadata, total, n)
+        if self.draft_bucketing is not None:
+            # The draft head runs on every bucket too (its passes use the target's buckets).
+            layers = self._attention_layer_names()
+            self.draft_bucketing.warm(dict.fromkeys(layers, metadata), total)
 
     def _forward_with_metadata(
         self, metadata: HPUAttentionMetadata, total: int, n: int, *, capture: bool | None = None

@@ -386,11 +386,13 @@ def _check_async_scheduling(vllm_config: VllmConfig) -> None:
     reason = None
     model_config = vllm_config.model_config
     if vllm_config.speculative_config is not None:
-        # vLLM itself turns it off (or refuses an explicit request) for the n-gram drafter, the
-        # one HPU runs; any other method is refused by check_speculative_config.
+        # vLLM itself turns it off (or refuses an explicit request) for the n-gram drafter. EAGLE
+        # heads stay synchronous on HPU as well: their drafting passes are planned on the host
+        # from the exact sequence lengths of the step (spec_decode.DraftBucketing).
         reason = (
             "speculative decoding: the n-gram drafter reads the sampled tokens on the host, "
-            "which async scheduling leaves on the device"
+            "which async scheduling leaves on the device, and EAGLE drafting plans its buckets "
+            "from the step's sequence lengths on the host"
         )
     elif model_config is not None and model_config.runner_type == "pooling":
         reason = "pooling models: a pooling step samples no token for the next step to overlap"

@@ -16,12 +16,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from vllm_gaudi_platform import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
 # Drafters that run on HPU today. The n-gram drafter needs no draft model: it looks up the last
-# tokens in the prompt and output. Model-based drafters (EAGLE, MTP, draft models) launch further
-# Triton kernels (vllm/v1/spec_decode/utils.py) that have no HPU stand-in yet.
-SUPPORTED_METHODS = ("ngram",)
+# tokens in the prompt and output. EAGLE heads run on the HPU attention backend, their
+# forward passes padded to the target's buckets (`HPUModelRunner` plans and warms them), with
+# plain-torch stand-ins for the Triton kernels of vllm/v1/spec_decode/utils.py that prepare their
+# inputs.
+SUPPORTED_METHODS = ("ngram", "eagle")
+
+# Why the others are refused, for the error message.
+_REFUSED = {
+    "medusa": "Medusa heads are not supported on HPU",
+    "eagle3": "EAGLE-3 heads are not supported on HPU yet (the target's aux hidden states do not "
+    "pass through its HPU graphs)",
+    "draft_model": "a separate draft model needs the parallel-drafting input kernels",
+}
 
 VERIFY_PHASE = "verify"
 
@@ -32,12 +43,26 @@ def check_speculative_config(speculative_config: Any) -> None:
         return
     method = getattr(speculative_config, "method", None)
     if method in SUPPORTED_METHODS:
+        if getattr(speculative_config, "parallel_drafting", False):
+            raise ValueError(
+                f"speculative_config method {method!r} with parallel drafting is not supported "
+                "on HPU (its input kernels have no HPU stand-in); use a head without parallel "
+                "drafting or drop speculative_config."
+            )
+        if getattr(speculative_config, "disable_padded_drafter_batch", False) and method != "ngram":
+            raise ValueError(
+                "speculative_config disable_padded_drafter_batch=True is not supported on HPU "
+                "(the drafter's forward passes run on the target's padded buckets); leave it "
+                "unset."
+            )
         return
+    reason = _REFUSED.get(str(method), "it is not supported on HPU")
     raise ValueError(
-        f"speculative_config method {method!r} is not supported on HPU; supported: "
+        f"speculative_config method {method!r}: {reason}; supported: "
         f"{', '.join(SUPPORTED_METHODS)}. Use speculative_config={{'method': 'ngram', "
         "'num_speculative_tokens': k, 'prompt_lookup_max': n, 'prompt_lookup_min': m}, or "
-        "drop speculative_config."
+        "{'method': 'eagle', 'model': <draft head>, 'num_speculative_tokens': k}, "
+        "or drop speculative_config."
     )
 
 
@@ -95,3 +120,137 @@ def with_verify_buckets(plan: BucketPlan, buckets: tuple[Bucket, ...]) -> Bucket
     if not buckets:
         return plan
     return dataclasses.replace(plan, prompt=(*plan.prompt, *buckets))
+
+
+# ------------------------------------------------------------------ model-based drafters
+# vLLM's EAGLE proposer (vllm/v1/spec_decode/llm_base_proposer.py) runs its head once over the
+# step's tokens (the "first pass", the same requests and query lengths as the target's step) and
+# then k - 1 times over one token per request. It asks `_determine_batch_execution_and_padding`
+# how many tokens to run (CUDA-graph padding on GPUs) and builds the attention metadata through
+# `build_per_group_and_layer_attn_metadata`. `DraftBucketing` wraps both on the proposer so that
+# each pass runs on a bucket of the target's plan: the first pass on the target step's own bucket,
+# the others on the decode bucket of the batch. Warmup runs the head on every bucket of the plan
+# (`warm`), and every drafting pass is checked against the warmed set like a target step.
+
+
+class DraftBucketing:
+    """Pads an EAGLE-style proposer's forward passes to the runner's buckets."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.drafter = runner.drafter
+        self.active = False
+        self._first_pass: Any = None  # layout of the pass whose padding was not yet asked for
+        self._decode_batch = 0  # batch bucket of this proposal's one-token passes
+        self._first_seq_lens: list[int] = []
+        self._build = self.drafter.build_per_group_and_layer_attn_metadata
+        self._pad = self.drafter._determine_batch_execution_and_padding
+        self.drafter.build_per_group_and_layer_attn_metadata = self.build_metadata
+        self.drafter._determine_batch_execution_and_padding = self.padding
+
+    def propose(self) -> Any:
+        """Context for one `propose_draft_token_ids` call of the runner."""
+        bucketing = self
+
+        class _Proposal:
+            def __enter__(self) -> None:
+                bucketing.active = True
+                bucketing._first_pass = None
+                bucketing._decode_batch = 0
+
+            def __exit__(self, *exc: Any) -> None:
+                bucketing.active = False
+                step_layout.set_current(None)
+
+        return _Proposal()
+
+    # -- the proposer's hooks
+    def build_metadata(self, common_attn_metadata: Any, draft_index: int = 0) -> Any:
+        if not self.active:
+            return self._build(common_attn_metadata, draft_index=draft_index)
+        # The HPU builder reads the host-side upper bound of the sequence lengths when present;
+        # the proposer only ever raises it, while rejected drafts shorten the sequences. Drafting
+        # attends to the exact lengths (one device-to-host copy per pass).
+        cad = dataclasses.replace(common_attn_metadata, seq_lens_cpu_upper_bound=None)
+        layout = self._layout(cad)
+        self.runner.recompiles.record(layout)
+        step_layout.set_current(layout)
+        try:
+            return self._build(cad, draft_index=draft_index)
+        finally:
+            step_layout.set_current(None)
+
+    def padding(self, num_tokens: int, use_cudagraphs: bool = True) -> tuple[Any, int, Any]:
+        if not self.active:
+            return self._pad(num_tokens, use_cudagraphs=use_cudagraphs)
+        from vllm.config import CUDAGraphMode
+
+        first = self._first_pass
+        if first is not None and sum(first.query_lens) == num_tokens:
+            self._first_pass = None
+            return CUDAGraphMode.NONE, first.num_tokens_padded, None
+        # The one-token passes: the batch bucket that holds the batch at its longest (each pass
+        # adds a token per request, at most k - 1 of them after the first pass).
+        k = max(num_speculative_tokens(self.runner.speculative_config), 1)
+        block_size = self.runner.block_size
+        blocks = sum(-(-(s + k) // block_size) for s in self._first_seq_lens[:num_tokens])
+        bucket = self.runner.bucket_plan.find_decode(num_tokens, blocks)
+        self._decode_batch = bucket.batch_size if bucket is not None else num_tokens
+        return CUDAGraphMode.NONE, self._decode_batch, None
+
+    def _layout(self, cad: Any) -> step_layout.StepLayout:
+        num_reqs = cad.num_reqs
+        qsl = cad.query_start_loc_cpu[: num_reqs + 1].tolist()
+        query_lens = [qsl[i + 1] - qsl[i] for i in range(num_reqs)]
+        seq_lens = [int(x) for x in cad.seq_lens[:num_reqs].tolist()]
+        plan = self.runner.bucket_plan
+        block_size = self.runner.block_size
+        if self._decode_batch and all(q == 1 for q in query_lens):
+            blocks = sum(-(-s // block_size) for s in seq_lens)
+            bucket = plan.find_decode(self._decode_batch, blocks)
+            if bucket is not None and bucket.batch_size == self._decode_batch:
+                decode = step_layout.DecodePart(
+                    bucket.batch_size, bucket.ctx_blocks, tuple(range(num_reqs)), bucket, True
+                )
+                return step_layout.StepLayout(tuple(query_lens), None, decode)
+            exact = Bucket("decode", self._decode_batch, 1, blocks)
+            decode = step_layout.DecodePart(
+                self._decode_batch, blocks, tuple(range(num_reqs)), exact, False
+            )
+            return step_layout.StepLayout(tuple(query_lens), None, decode)
+        layout = step_layout.plan_step(
+            query_lens=query_lens, seq_lens=seq_lens, block_size=block_size, plan=plan
+        )
+        self._first_pass = layout
+        self._first_seq_lens = seq_lens
+        return layout
+
+    # -- warmup
+    def warm(self, attn_metadata: dict[str, Any], total: int) -> None:
+        """Run the head once on a bucket whose target pass just ran (same metadata, so the
+        head's layers read and write the same warmup blocks)."""
+        from vllm.config import CUDAGraphMode
+        from vllm.forward_context import set_forward_context
+
+        drafter = self.drafter
+        kwargs: dict[str, Any] = {
+            "input_ids": drafter.input_ids[:total],
+            "positions": drafter._get_positions(total),
+        }
+        if drafter.pass_hidden_states_to_model:
+            kwargs["hidden_states"] = drafter.hidden_states[:total]
+        with set_forward_context(
+            attn_metadata,
+            self.runner.vllm_config,
+            num_tokens=total,
+            cudagraph_runtime_mode=CUDAGraphMode.NONE,
+        ):
+            drafter.model(**kwargs)
+
+
+def draft_bucketing(runner: Any) -> DraftBucketing | None:
+    """Bucketing for the runner's drafter if it runs a model (EAGLE, EAGLE-3), else None."""
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "build_per_group_and_layer_attn_metadata"):
+        return None
+    return DraftBucketing(runner)
