@@ -112,9 +112,7 @@ class HPUCommunicator(DeviceCommunicatorBase):
     def dispatch(self, hidden_states, topk_weights, topk_ids, *args: Any, **kwargs: Any):
         if self.all2all_manager is None:
             return super().dispatch(hidden_states, topk_weights, topk_ids, *args, **kwargs)
-        return self.all2all_manager.dispatch(
-            hidden_states, topk_weights, topk_ids, *args, **kwargs
-        )
+        return self.all2all_manager.dispatch(hidden_states, topk_weights, topk_ids, *args, **kwargs)
 
     def combine(self, hidden_states: torch.Tensor, is_sequence_parallel: bool = False):
         if self.all2all_manager is None:
