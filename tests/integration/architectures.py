@@ -76,6 +76,10 @@ CASES: dict[str, Case] = {
     ),
     "bloom": Case(lambda: tinymodels.build("bloom")),  # ALiBi
 }
+# Not cross-checked: the tiny DeepSeek-V2 (MLA, test_mla.py). vLLM 0.32's CPU backend runs it but
+# its greedy tokens differ from transformers' on all 10 prompts (the one-token prompt from its
+# fourth token on), while the HPU platform's equal transformers' exactly, so vLLM's CPU backend
+# is no reference for this model.
 
 _HPU_RUNS: dict[str, tuple[subprocess.CompletedProcess[str], dict | None]] = {}
 
