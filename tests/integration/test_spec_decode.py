@@ -1,10 +1,10 @@
 """End to end: speculative decoding on the HPU platform (CPU emulation) with the n-gram drafter
-and with an EAGLE draft head.
+and with EAGLE and EAGLE-3 draft heads.
 
 One job process runs the same greedy prompts without speculation and then with each drafter (see
 spec_decode_job.py). The model is the locally trained tiny Llama: its greedy output repeats
-phrases, so n-gram drafts get accepted (a random-weight model's output never repeats). The EAGLE
-head is fitted to it in closed form (eagle_drafts.py), so some of its drafts are accepted too.
+phrases, so n-gram drafts get accepted (a random-weight model's output never repeats). The heads
+are fitted to it in closed form (eagle_drafts.py), so some of their drafts are accepted too.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TEXTS = [
     "class A:\n    pass\n\nclass B:\n    pass\n\nclass",
 ]
 RANDOM_PROMPTS = 2
-HEADS = ("eagle",)
+HEADS = ("eagle", "eagle3")
 DRAFTERS = ("ngram", *HEADS)
 
 

@@ -378,6 +378,10 @@ UPSTREAM: tuple[Upstream, ...] = (
         mentions=("self.input_ids", "self.hidden_states", "self.pass_hidden_states_to_model"),
     ),
     Upstream(
+        f"{RUNNER}._setup_eagle3_aux_hidden_state_outputs",
+        "HPUModelRunner.load_model calls it for EAGLE-3 heads, as vLLM's load_model does",
+    ),
+    Upstream(
         f"{RUNNER}.propose_draft_token_ids",
         "HPUModelRunner.propose_draft_token_ids brackets it for DraftBucketing",
     ),

@@ -288,6 +288,10 @@ class HPUModelRunner(GPUModelRunner):
             self.model = after_load(self.model)
         if hasattr(self, "drafter"):
             self.drafter.load_model(self.model)
+            if self.use_aux_hidden_state_outputs:
+                # EAGLE-3: the target also returns the hidden states of the layers the head reads
+                # (vLLM's constructor set the flag; its load_model tells the model which layers).
+                self._setup_eagle3_aux_hidden_state_outputs()
             self.draft_bucketing = spec_decode.draft_bucketing(self)
 
     def get_model(self) -> torch.nn.Module:

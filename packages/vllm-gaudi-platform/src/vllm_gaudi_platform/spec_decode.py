@@ -20,17 +20,15 @@ from vllm_gaudi_platform import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
 # Drafters that run on HPU today. The n-gram drafter needs no draft model: it looks up the last
-# tokens in the prompt and output. EAGLE heads run on the HPU attention backend, their
+# tokens in the prompt and output. EAGLE and EAGLE-3 heads run on the HPU attention backend, their
 # forward passes padded to the target's buckets (`HPUModelRunner` plans and warms them), with
 # plain-torch stand-ins for the Triton kernels of vllm/v1/spec_decode/utils.py that prepare their
 # inputs.
-SUPPORTED_METHODS = ("ngram", "eagle")
+SUPPORTED_METHODS = ("ngram", "eagle", "eagle3")
 
 # Why the others are refused, for the error message.
 _REFUSED = {
     "medusa": "Medusa heads are not supported on HPU",
-    "eagle3": "EAGLE-3 heads are not supported on HPU yet (the target's aux hidden states do not "
-    "pass through its HPU graphs)",
     "draft_model": "a separate draft model needs the parallel-drafting input kernels",
 }
 
