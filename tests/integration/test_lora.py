@@ -3,7 +3,8 @@
 the greedy tokens of transformers on the merged weights (base + lora_alpha / r * B @ A), within the
 top-5 rule; adapters are unloaded and loaded back at run time; no shape runs after warmup that
 warmup did not run (buckets and LoRA kernel shapes). Then the same through `vllm serve`
-(--enable-lora, --lora-modules, an adapter loaded over HTTP at run time)."""
+(--enable-lora, --lora-modules, an adapter loaded over HTTP at run time), with n-gram
+speculative decoding on the same server."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ JOB = Path(__file__).with_name("lora_job.py")
 MAX_TOKENS = 8
 # name -> (seed, rank, lora_alpha): different ranks, both below max_lora_rank's padding
 ADAPTERS = {"alpha": (1, 8, 16), "beta": (2, 4, 4)}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +130,8 @@ def test_no_recompiles_after_warmup_with_lora(run):
 # --- the same adapters through `vllm serve` -------------------------------------------------------
 # One server: --enable-lora with adapter "alpha" named by --lora-modules at start-up, "beta" loaded
 # at run time through POST /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING), and requests
-# for alpha, beta and the base model sent at once, so the server batches them together.
+# for alpha, beta and the base model sent at once, so the server batches them together. The server
+# also speculates (n-gram): greedy tokens must not change, and vLLM counts the drafts.
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +139,8 @@ def lora_server(models, clean_env, tmp_path_factory) -> Iterator[httpx.Client]:
     args = openai_server.engine_args(str(models["base"]), ENGINE)
     args += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
     args += ["--lora-modules", f"alpha={models['alpha']}"]
+    # n-gram speculation on the same server: verification steps carry the adapters too.
+    args += ["--speculative-config", json.dumps(NGRAM)]
     env = openai_server.server_env(clean_env())
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     log = tmp_path_factory.mktemp("serve-lora") / "server.log"
@@ -171,6 +181,17 @@ def test_served_completions_per_adapter_match_transformers_on_merged_weights(
     served, reference, name
 ):
     assert_close(served[name], reference[name], f"served LoRA {name}")
+
+
+def test_served_model_speculates_and_vllm_counts_drafts(lora_server, served):
+    # vLLM registers its spec-decode counters only for a speculating engine. How many drafts the
+    # random prompts above give depends on their greedy tokens, so only the counters' presence
+    # is checked here; test_spec_decode.py checks drafts and acceptance on the trained model.
+    response = lora_server.get("/metrics")
+    assert response.status_code == 200, response.text
+    names = {line.split("{")[0].split(" ")[0] for line in response.text.splitlines()}
+    assert "vllm:spec_decode_num_drafts_total" in names
+    assert "vllm:spec_decode_num_accepted_tokens_total" in names
 
 
 def test_served_lora_runs_no_shape_after_warmup_that_warmup_did_not(lora_server, served):
