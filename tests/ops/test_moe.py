@@ -72,7 +72,7 @@ def _routed_experts(topk=2, experts=16, **routing):
     return layer
 
 
-def _layer(method, w13, w2, *, expert_map=None, on_input=False, **routing):
+def _layer(method, w13, w2, *, expert_map=None, on_input=False, biases=None, **routing):
     layer = _routed_experts(
         experts=w13.shape[0],
         expert_map=expert_map,
@@ -82,8 +82,20 @@ def _layer(method, w13, w2, *, expert_map=None, on_input=False, **routing):
     method.create_weights(layer, w13.shape[0], HIDDEN, INTER, w13.dtype)
     layer.w13_weight.data.copy_(w13)
     layer.w2_weight.data.copy_(w2)
+    if biases is not None:
+        layer.w13_bias.data.copy_(biases[0])
+        layer.w2_bias.data.copy_(biases[1])
     method.process_weights_after_loading(layer)
     return layer
+
+
+def _biases(experts, dtype, seed=3):
+    # Large enough that some gate/up values pass swigluoai's clamp at 7.
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        (torch.randn(experts, 2 * INTER, generator=gen) * 3).to(dtype),
+        (torch.randn(experts, HIDDEN, generator=gen) / 2).to(dtype),
+    )
 
 
 def _routing(tokens, experts, topk, dtype, seed=1):
@@ -188,16 +200,182 @@ def test_gelu_tanh_experts_use_the_tanh_approximation(emulated, vllm_config, ass
     assert_matches(out, expected, **MOE_TOLERANCE[torch.float32])
 
 
-def test_an_activation_the_kernel_lacks_fails_at_construction_naming_it(emulated, vllm_config):
-    with pytest.raises(ValueError, match="swigluoai"):
+def test_an_activation_neither_path_computes_fails_at_construction_naming_it(emulated, vllm_config):
+    with pytest.raises(ValueError, match=r"'swiglustep'.*kernel supports silu, gelu_tanh"):
         HpuUnquantizedFusedMoEMethod(
-            _config(4, 2, torch.float32, activation=MoEActivation.SWIGLUOAI)
+            _config(4, 2, torch.float32, activation=MoEActivation.SWIGLUSTEP)
         )
 
 
-def test_expert_biases_fail_at_construction(emulated, vllm_config):
-    with pytest.raises(ValueError, match="biases"):
-        HpuUnquantizedFusedMoEMethod(_config(4, 2, torch.float32, has_bias=True))
+def test_hash_routing_fails_at_construction(emulated, vllm_config):
+    config = _config(4, 2, torch.float32)
+    config.has_hash_routing = True
+    with pytest.raises(ValueError, match="hash routing"):
+        HpuUnquantizedFusedMoEMethod(config)
+
+
+def _float64_experts(x, w13, w2, b13, b2, weights, ids, gate):
+    """The naive reference: one token and one routed expert at a time, in float64."""
+    x, w13, w2, b13, b2 = (t.double() for t in (x, w13, w2, b13, b2))
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = gate(w13[e] @ x[t] + b13[e])
+            out[t] += float(weights[t, k]) * (w2[e] @ h + b2[e])
+    return out
+
+
+def _swigluoai64(h):
+    # gpt-oss: gate and up interleaved; alpha 1.702, limit 7.
+    gate, up = h[0::2].clamp(max=7.0), h[1::2].clamp(min=-7.0, max=7.0)
+    return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+
+
+def _silu64(h):
+    gate, up = h.chunk(2)
+    return F.silu(gate) * up
+
+
+# Errors against float64 measured when written, on outputs up to ~40: float32 1e-5, bfloat16
+# 0.2 (0.6% of the largest output: gate/up are rounded to bfloat16 before the activation).
+PLAIN_TOLERANCE = {
+    torch.float32: {"atol": 2e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-1, "rtol": 2e-2},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "topk"), [(1, 4, 1), (16, 8, 2), (33, 16, 4)])
+def test_biased_swigluoai_experts_match_a_float64_reference(
+    emulated, vllm_config, dtype, tokens, experts, topk
+):
+    config = _config(experts, topk, dtype, activation=MoEActivation.SWIGLUOAI, has_bias=True)
+    method = HpuUnquantizedFusedMoEMethod(config)
+    w13, w2 = _weights(experts, dtype)
+    b13, b2 = _biases(experts, dtype)
+    layer = _layer(method, w13, w2, biases=(b13, b2))
+    x, weights, ids = _routing(tokens, experts, topk, dtype)
+    x = x * 4  # wide gate/up values: the clamps at +-7 take part
+
+    out = method.forward_oot(layer, x, weights, ids, None, None)
+
+    expected = _float64_experts(x, w13, w2, b13, b2, weights, ids, _swigluoai64)
+    gate_up = torch.einsum("th,eih->tei", x.double(), w13.double()) + b13.double()
+    assert (gate_up.abs() > 7).any(), "the test should exercise swigluoai's clamp"
+    error = (out.double() - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    shape = f"{tokens}x{experts}x{topk}"
+    print(f"swigluoai experts {dtype} {shape}: max |error| {error:.1e} (|out| {scale:.0f})")
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **PLAIN_TOLERANCE[dtype])
+
+
+def test_biased_silu_experts_match_a_float64_reference(emulated, vllm_config):
+    method = HpuUnquantizedFusedMoEMethod(_config(8, 2, torch.float32, has_bias=True))
+    w13, w2 = _weights(8, torch.float32)
+    b13, b2 = _biases(8, torch.float32)
+    layer = _layer(method, w13, w2, biases=(b13, b2))
+    x, weights, ids = _routing(12, 8, 2, torch.float32)
+
+    out = method.forward_oot(layer, x, weights, ids, None, None)
+
+    expected = _float64_experts(x, w13, w2, b13, b2, weights, ids, _silu64)
+    torch.testing.assert_close(out.double(), expected, **PLAIN_TOLERANCE[torch.float32])
+
+
+def test_swigluoai_experts_equal_transformers_gpt_oss_experts_on_vllms_weight_layout(
+    emulated, vllm_config
+):
+    # transformers keeps gate_up_proj [experts, hidden, 2 * inter] (gate/up interleaved in the
+    # last dim) and down_proj [experts, inter, hidden]; vLLM's gpt-oss loader stores their
+    # transposes as w13 / w2. Same routing, same output.
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts, topk = 4, 2
+    hf_config = GptOssConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=experts)
+    hf = GptOssExperts(hf_config).double()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param, scale in zip(hf.parameters(), (0.15, 3.0, 0.1, 0.5), strict=True):
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float64) * scale)
+    method = HpuUnquantizedFusedMoEMethod(
+        _config(experts, topk, torch.float64, activation=MoEActivation.SWIGLUOAI, has_bias=True)
+    )
+    layer = _layer(
+        method,
+        hf.gate_up_proj.detach().transpose(1, 2),
+        hf.down_proj.detach().transpose(1, 2),
+        biases=(hf.gate_up_proj_bias.detach(), hf.down_proj_bias.detach()),
+    )
+    x, weights, ids = _routing(10, experts, topk, torch.float64)
+    x = x * 4
+
+    out = method.forward_oot(layer, x, weights.double(), ids, None, None)
+
+    with torch.no_grad():
+        expected = hf(x, ids.long(), weights.double())
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
+
+
+def test_biased_swigluoai_experts_match_vllms_cpu_kernel(emulated, vllm_config, assert_matches):
+    # vLLM's CPU backend runs gpt-oss's experts with this kernel (same weight layout).
+    config = _config(8, 2, torch.float32, activation=MoEActivation.SWIGLUOAI, has_bias=True)
+    method = HpuUnquantizedFusedMoEMethod(config)
+    w13, w2 = _weights(8, torch.float32)
+    b13, b2 = _biases(8, torch.float32)
+    layer = _layer(method, w13, w2, biases=(b13, b2))
+    x, weights, ids = _routing(16, 8, 2, torch.float32)
+
+    out = method.forward_oot(layer, x, weights, ids, None, None)
+
+    expected = torch.empty_like(x)
+    w13p, w2p = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
+    cpu_fused_moe(expected, x, w13p, w2p, b13, b2, weights, ids, "swigluoai", "vec")
+    assert_matches(out, expected, **MOE_TOLERANCE[torch.float32])
+
+
+def test_plain_path_expert_parallel_rank_sums_only_its_own_experts(emulated, vllm_config):
+    experts, topk = 8, 2
+    w13, w2 = _weights(experts, torch.float32)
+    b13, b2 = _biases(experts, torch.float32)
+    local = torch.tensor([1, 3, 5, 7])
+    expert_map = torch.full((experts,), -1, dtype=torch.int32)
+    expert_map[local] = torch.arange(4, dtype=torch.int32)
+    config = _config(4, topk, torch.float32, activation=MoEActivation.SWIGLUOAI, has_bias=True)
+    method = HpuUnquantizedFusedMoEMethod(config)
+    layer = _layer(
+        method, w13[local], w2[local], expert_map=expert_map, biases=(b13[local], b2[local])
+    )
+    x, weights, ids = _routing(12, experts, topk, torch.float32)
+
+    out = method.forward_oot(layer, x, weights, ids, None, None)
+
+    remote = expert_map[ids.long()] < 0
+    assert remote.any() and (~remote).any()
+    expected = _float64_experts(
+        x, w13, w2, b13, b2, weights.masked_fill(remote, 0.0), ids, _swigluoai64
+    )
+    torch.testing.assert_close(out.double(), expected, **PLAIN_TOLERANCE[torch.float32])
+
+
+def test_unbiased_silu_experts_still_use_the_kernel(emulated, vllm_config, monkeypatch):
+    method = HpuUnquantizedFusedMoEMethod(_config(4, 2, torch.float32))
+    layer = _layer(method, *_weights(4, torch.float32))
+    x, weights, ids = _routing(3, 4, 2, torch.float32)
+    calls = []
+    kernel = emulated.mixture_of_experts
+
+    def recording_kernel(*args):
+        calls.append(args[6])  # the activation
+        return kernel(*args)
+
+    monkeypatch.setattr(emulated, "mixture_of_experts", recording_kernel)
+
+    method.forward_oot(layer, x, weights, ids, None, None)
+
+    assert calls == ["silu"]
 
 
 def test_unquantized_moe_is_always_enabled_and_routes_by_itself(vllm_config):

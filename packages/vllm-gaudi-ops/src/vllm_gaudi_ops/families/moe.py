@@ -6,6 +6,10 @@ calls `apply` (a "modular" method), or hands the router logits to `apply_monolit
 routers call top-k kernels compiled for CUDA/ROCm/CPU (vllm._moe_C), which an out-of-tree
 platform does not have, so this method is monolithic: it routes in torch (`route`), then calls
 `apply`, whose CustomOp dispatch runs `forward_oot` and the kernel.
+
+Gaudi's kernel has no expert biases and only SiLU and tanh-GELU gates. Experts with biases, or
+with gpt-oss's clamped "swigluoai" gate, run through `plain_experts` instead: ordinary torch
+matmuls and elementwise ops, on Gaudi as on the emulation, not a fused kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopk
@@ -27,18 +32,90 @@ FAMILY = "moe"
 
 # vLLM's MoE activations and the kernel's names for them (Gaudi's "gelu" is the tanh form).
 KERNEL_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU_TANH: "gelu"}
+# Activations `plain_experts` computes: the kernel's, and gpt-oss's swigluoai.
+PLAIN_ACTIVATIONS = (MoEActivation.SILU, MoEActivation.GELU_TANH, MoEActivation.SWIGLUOAI)
+# swigluoai's constants: vLLM's kernels for MoEActivation.SWIGLUOAI use these fixed values (the
+# config's swiglu_* fields only reach its "swigluoai_uninterleave" variant), as gpt-oss does.
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
 def _unsupported(moe: FusedMoEConfig) -> str | None:
-    if moe.activation not in KERNEL_ACTIVATIONS:
+    """What in the layer neither the kernel nor the plain-ops path computes, or None."""
+    if moe.activation not in PLAIN_ACTIVATIONS:
         names = ", ".join(a.value for a in KERNEL_ACTIVATIONS)
-        return f"activation {moe.activation.value!r} (the kernel supports {names})"
-    if moe.has_bias:
-        return "expert biases"
+        return (
+            f"activation {moe.activation.value!r} (the kernel supports {names}; "
+            f"vllm-gaudi's plain-ops path adds {MoEActivation.SWIGLUOAI.value})"
+        )
     if moe.has_hash_routing:
         return "hash routing"
     return None
+
+
+def _needs_plain_path(moe: FusedMoEConfig) -> bool:
+    """Whether the layer has what Gaudi's kernel lacks: expert biases or a swigluoai gate."""
+    return moe.has_bias or moe.activation not in KERNEL_ACTIVATIONS
+
+
+def swigluoai(gate_up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate: gate and up INTERLEAVED in the last dim ([g0, u0, g1, u1, ...], as vLLM
+    loads gpt-oss's w13), gate clamped above at 7, up to [-7, 7]; (up + 1) * gate *
+    sigmoid(1.702 * gate)."""
+    gate = gate_up[..., ::2].clamp(max=SWIGLUOAI_LIMIT)
+    up = gate_up[..., 1::2].clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
+
+
+def _gated(gate_up: torch.Tensor, activation: MoEActivation) -> torch.Tensor:
+    if activation == MoEActivation.SWIGLUOAI:
+        return swigluoai(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)  # vLLM's other gates: gate rows first, then up rows
+    if activation == MoEActivation.SILU:
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def plain_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_bias: torch.Tensor | None,
+    activation: MoEActivation,
+) -> torch.Tensor:
+    """Routed experts in plain torch ops, for what Gaudi's mixture_of_experts kernel cannot do.
+
+    x [tokens, hidden]; expert_ids [tokens, topk] local expert ids, where an id outside
+    [0, experts) is another rank's expert and adds nothing; expert_weights [tokens, topk].
+    w13 [experts, 2 * inter, hidden] and w2 [experts, hidden, inter] as vLLM loads them, biases
+    [experts, 2 * inter] and [experts, hidden] or None. out[t] = sum over k of weight[t, k] *
+    (w2[e] @ act(w13[e] @ x[t] + b13[e]) + b2[e]), e = expert_ids[t, k]: the down projection's
+    bias is scaled by the router weight too, as in gpt-oss.
+
+    This is NOT a Gaudi kernel: on Gaudi it runs as ordinary matmuls and elementwise ops, which
+    the graph compiler fuses as it can. Every expert runs on every token, weighted 0 where the
+    token did not pick it, so no shape depends on the routing (no recompiles) at the cost of
+    experts / topk times the routed matmul work: fine for a few experts, costly for many.
+    Accumulates in float32 (float64 for float64 inputs); the result has x's dtype.
+    """
+    tokens, hidden = x.shape
+    experts = w13.shape[0]
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    ids = expert_ids.long()
+    ids = torch.where((ids >= 0) & (ids < experts), ids, experts)  # other ranks' -> a spare slot
+    # dense[t, e]: the router weight of expert e for token t (0 when not picked).
+    dense = torch.zeros(tokens, experts + 1, dtype=acc, device=x.device)
+    dense.scatter_add_(1, ids, expert_weights.to(acc))
+    out = torch.zeros(tokens, hidden, dtype=acc, device=x.device)
+    for e in range(experts):
+        gate_up = F.linear(x, w13[e], None if w13_bias is None else w13_bias[e])
+        y = F.linear(_gated(gate_up, activation), w2[e], None if w2_bias is None else w2_bias[e])
+        out.addcmul_(dense[:, e : e + 1], y.to(acc))
+    return out.to(x.dtype)
 
 
 def route(
@@ -81,17 +158,21 @@ def route(
 
 
 class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-    """Routing in torch, experts through the kernel (per-expert weight views taken once)."""
+    """Routing in torch, experts through the kernel (per-expert weight views taken once), or
+    through `plain_experts` for biased or swigluoai experts, which the kernel lacks."""
 
     def __init__(self, moe: FusedMoEConfig) -> None:
-        super().__init__(moe)
+        # Checked first: vLLM's constructor picks its own backend and may refuse the layer with
+        # a message that says nothing about Gaudi.
         problem = _unsupported(moe)
         if problem is not None:
             raise ValueError(
                 f"Gaudi's mixture_of_experts kernel cannot run this model's MoE layers: "
                 f"{problem}. vllm-gaudi cannot serve this model yet."
             )
-        self.kernel_activation = KERNEL_ACTIVATIONS[moe.activation]
+        super().__init__(moe)
+        self.plain = _needs_plain_path(moe)
+        self.kernel_activation = KERNEL_ACTIVATIONS.get(moe.activation, "")
         self._expert_weights: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None
         self._expert_weights = None
 
@@ -170,6 +251,17 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             # Llama 4 (top-1): the router weight scales the input, not the expert output.
             x = x * weights
             weights = torch.ones_like(weights)
+        if self.plain:
+            return plain_experts(
+                x,
+                ids,
+                weights,
+                layer.w13_weight,
+                layer.w2_weight,
+                getattr(layer, "w13_bias", None),
+                getattr(layer, "w2_bias", None),
+                self.moe.activation,
+            )
         return backend().mixture_of_experts(
             x, ids, weights, w12, w3, True, self.kernel_activation, 0, num_local - 1
         )
