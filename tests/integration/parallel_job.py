@@ -8,6 +8,10 @@ Job keys: model, prompts, max_tokens, engine (LLM kwargs shared by every case), 
 process. DP 2 runs as vLLM's offline data-parallel mode does: two processes (this script with
 "dp_rank"), each one DP rank with its own share of the prompts, joined through VLLM_DP_*
 variables; "dp2ep" also splits the experts between the two ranks (expert parallelism).
+
+Each case reports its outputs, every worker's recompile statistics and what every worker's MoE
+layers hold (`held_experts`, sent over collective_rpc: the job needs
+VLLM_ALLOW_INSECURE_SERIALIZATION=1).
 """
 
 from __future__ import annotations
@@ -38,6 +42,44 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     ]
 
 
+def held_experts(worker) -> list[dict]:
+    """What each MoE layer of a worker's model holds (sent to the workers over collective_rpc):
+    vLLM's expert-parallel bookkeeping, the global ids of the experts this rank owns, the shape
+    of its expert weights and how many experts the HPU method hands the kernel."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    layers = []
+    for name, module in worker.model_runner.get_model().named_modules():
+        if not isinstance(module, RoutedExperts):
+            continue
+        parallel = module.moe_config.moe_parallel_config
+        expert_map = module.expert_map
+        if expert_map is None:  # no expert parallelism: every expert is local
+            owned = list(range(module.global_num_experts))
+        else:
+            owned = torch.nonzero(expert_map >= 0).flatten().tolist()
+            # The map sends each owned global id to its local slot, in order.
+            assert expert_map[owned].tolist() == list(range(len(owned))), expert_map
+        kernel_weights = getattr(module.quant_method, "_expert_weights", None)
+        layers.append(
+            {
+                "layer": name,
+                "method": type(module.quant_method).__name__,
+                "use_ep": parallel.use_ep,
+                "ep_rank": parallel.ep_rank,
+                "ep_size": parallel.ep_size,
+                "global_num_experts": module.global_num_experts,
+                "local_num_experts": module.local_num_experts,
+                "owned_experts": owned,
+                "w13_shape": list(module.w13_weight.shape),
+                "w2_shape": list(module.w2_weight.shape),
+                "kernel_experts": None if kernel_weights is None else len(kernel_weights[0]),
+            }
+        )
+    return layers
+
+
 def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> dict:
     """One engine: its outputs, every worker's recompile stats and the seconds it took.
     `between(stage)` is called after generating ("generated") and before shutting the engine
@@ -48,6 +90,7 @@ def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> d
 
     start = time.perf_counter()
     llm = LLM(model=job["model"], **job["engine"], **engine)
+    started = time.perf_counter() - start
     outputs = generate(llm, prompts, job["max_tokens"])
     seconds = time.perf_counter() - start
     if between:
@@ -55,6 +98,8 @@ def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> d
     result = {
         "outputs": outputs,
         "stats": llm.collective_rpc("get_recompile_stats"),
+        "experts": llm.collective_rpc(held_experts),
+        "start_seconds": started,
         "seconds": seconds,
     }
     if between:
@@ -84,6 +129,10 @@ def run_dp(job: dict, **engine) -> dict:
             "VLLM_DP_SIZE": "2",
             "VLLM_DP_MASTER_IP": "127.0.0.1",
             "VLLM_DP_MASTER_PORT": str(port),
+            # vLLM's engine-core process: an offline DP rank's idle steps and its wave agreement
+            # with the other rank come from the DP engine core's busy loop, which only that
+            # process runs. (The single and PP engines keep the core in the job's process.)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         }
         arg = json.dumps({**job, "engine": {**job["engine"], **engine}, "dp_rank": rank})
         logs.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115 - lives as long as the job
@@ -137,6 +186,8 @@ def run_dp(job: dict, **engine) -> dict:
     return {
         "outputs": outputs,
         "stats": [s for r in results for s in r["stats"]],
+        "experts": [e for r in results for e in r["experts"]],
+        "start_seconds": max(r["start_seconds"] for r in results),
         "seconds": max(r["seconds"] for r in results),
     }
 
