@@ -134,6 +134,28 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUCommunicator reads use_all2all and rank_in_group, sets all2all_manager",
         mentions=("use_all2all", "all2all_manager", "rank_in_group"),
     ),
+    # --- expert parallelism (ops families/moe.py; tests/integration/parallel_job.py) -----------
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.expert_map.fget",
+        "HpuUnquantizedFusedMoEMethod maps global expert ids to this rank's through "
+        "layer.expert_map (-1: another rank's expert); parallel_job reports it",
+        mentions=("_expert_map",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.update_expert_map_info",
+        "parallel_job reports each EP rank's local_num_experts and expert map",
+        mentions=("local_num_experts", "_expert_map"),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.__init__",
+        "parallel_job reads global_num_experts, local_num_experts and moe_config of a MoE layer",
+        mentions=("global_num_experts", "local_num_experts", "moe_config"),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.config:FusedMoEParallelConfig",
+        "parallel_job reports each MoE layer's use_ep, ep_rank and ep_size",
+        mentions=("use_ep", "ep_rank", "ep_size"),
+    ),
     Upstream(
         f"{RUNNER}._make_buffer",
         "HPUModelRunner._share_host_buffers finds the runner's CpuGpuBuffers made here",
