@@ -121,7 +121,36 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 64,
         },
     ),
+    # gpt-oss: attention sinks (one learned logit per head), layer 0 attending a 40-token window
+    # and layer 1 globally, biased q/k/v/o projections, YaRN rotary (factor 4 over 256
+    # positions), and MoE layers of four biased experts (top 2) with the clamped swigluoai gate.
+    "gpt-oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 32,
+            "intermediate_size": 64,  # per expert
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 40,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
 }
+
+
+# Models whose biases and attention-sink logits transformers initializes to zero (gpt-oss's all
+# are, its router's aside): drawn from N(0, std) instead, so that the tests exercise them.
+# name -> std.
+RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0}
 
 
 # Encoder-only models (bidirectional attention, no KV cache), saved without a language-model head:
@@ -184,9 +213,10 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     else:
         known = sorted([*MODELS, *ENCODERS])
         raise ValueError(f"Unknown tiny model {name!r}; choose one of {known}.")
-    key = hashlib.sha256(
-        json.dumps([name, cls_name, config_kwargs, seed, CORPUS], sort_keys=True).encode()
-    ).hexdigest()[:12]
+    recipe: list[Any] = [name, cls_name, config_kwargs, seed, CORPUS]
+    if name in RANDOM_BIASES:
+        recipe.append(RANDOM_BIASES[name])
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = (root or cache_root()) / f"tiny-{name}-{key}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
@@ -200,6 +230,11 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     torch.manual_seed(seed)
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM
     model = auto.from_config(config, torch_dtype=torch.float32)
+    if name in RANDOM_BIASES:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith(("bias", "sinks")):
+                    param.normal_(0.0, RANDOM_BIASES[name])
     model.save_pretrained(tmp, safe_serialization=True)
     _build_tokenizer(tmp)
     with contextlib.suppress(OSError):  # another process built it first
