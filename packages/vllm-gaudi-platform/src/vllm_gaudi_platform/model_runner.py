@@ -340,9 +340,12 @@ class HPUModelRunner(GPUModelRunner):
             # vLLM's own dummy/profiling runs: exact shape, not a serving step.
             step_layout.set_current(None)
             return (CUDAGraphMode.NONE, BatchDescriptor(num_tokens=num_tokens), False, None, None)
-        query_lens = [int(x) for x in num_scheduled_tokens_np[:num_reqs]]
+        # One vectorized sum and two tolist() calls: a per-element int() loop costs ~0.1 ms per
+        # 256 requests, every step.
+        scheduled = num_scheduled_tokens_np[:num_reqs]
         computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
-        seq_lens = [int(c) + q for c, q in zip(computed, query_lens)]
+        query_lens = scheduled.tolist()
+        seq_lens = (computed.astype(np.int64) + scheduled).tolist()
         layout = step_layout.plan_step(
             query_lens=query_lens,
             seq_lens=seq_lens,

@@ -125,7 +125,7 @@ def plan_decode(
     members: list[int], seq_lens: list[int], block_size: int, plan: BucketPlan | None
 ) -> DecodePart:
     n = len(members)
-    total_blocks = sum(_blocks(seq_lens[i], block_size) for i in members)
+    total_blocks = sum((seq_lens[i] + block_size - 1) // block_size for i in members)
     if plan is not None:
         b = plan.find_decode(n, total_blocks)
         if b is not None:
