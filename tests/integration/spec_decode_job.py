@@ -3,15 +3,18 @@
     python spec_decode_job.py '<json job>'
 
 One process, several engines one after the other on the HPU platform (CPU emulation): the same
-greedy prompts without speculation, then with each drafter of the job (n-gram, EAGLE, EAGLE-3);
+greedy prompts without speculation, then with each drafter of the job (n-gram, EAGLE, EAGLE-3,
+MTP);
 each speculative run also samples a few requests at temperature 1 in the same batch (mixed
 greedy/random verification). It reports the plain run's tokens and, per drafter, its tokens,
 vLLM's spec-decode counters (the metrics vLLM logs and exports) and the runner's recompile
 statistics.
 
 Job keys: model (path), prompts (token id lists), max_tokens, engine (LLM kwargs),
-speculative_configs (name -> LLM's speculative_config), random_prompts (how many prompts to also
-sample at temperature 1 in the speculative runs).
+speculative_configs (name -> LLM's speculative_config), targets (optional, name -> the model
+path that drafter's run serves instead of `model`: the same weights in a checkpoint that carries
+the drafter, e.g. MTP layers), random_prompts (how many prompts to also sample at temperature 1 in
+the speculative runs).
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ def run(job: dict) -> dict:
     runs = {}
     for name, config in job["speculative_configs"].items():
         start = time.perf_counter()
-        llm = LLM(model=job["model"], speculative_config=config, **engine)
+        # A drafter may need its own checkpoint of the target (MTP layers ride in the target's).
+        model = job.get("targets", {}).get(name, job["model"])
+        llm = LLM(model=model, speculative_config=config, **engine)
         spec, sampled = _generate(
             llm, job["prompts"], job["max_tokens"], job.get("random_prompts", 0)
         )

@@ -1,10 +1,12 @@
-"""End to end: speculative decoding on the HPU platform (CPU emulation) with the n-gram drafter
-and with EAGLE and EAGLE-3 draft heads.
+"""End to end: speculative decoding on the HPU platform (CPU emulation) with the n-gram drafter,
+EAGLE and EAGLE-3 draft heads, and an MTP layer.
 
 One job process runs the same greedy prompts without speculation and then with each drafter (see
 spec_decode_job.py). The model is the locally trained tiny Llama: its greedy output repeats
 phrases, so n-gram drafts get accepted (a random-weight model's output never repeats). The heads
 are fitted to it in closed form (eagle_drafts.py), so some of their drafts are accepted too.
+The MTP run serves the same weights as a MiMo checkpoint that carries one MTP layer, fitted the
+same way (mtp_drafts.py); being the same target, its greedy tokens must equal the plain run's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration import eagle_drafts
+from tests.integration import eagle_drafts, mtp_drafts
 from tests.integration.generation import ENGINE, job_result, run_job
 from vllm_gaudi_platform import trainedmodel
 
@@ -33,7 +35,7 @@ TEXTS = [
 ]
 RANDOM_PROMPTS = 2
 HEADS = ("eagle", "eagle3")
-DRAFTERS = ("ngram", *HEADS)
+DRAFTERS = ("ngram", *HEADS, "mtp")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +64,9 @@ def result() -> dict:
                 }
                 for method in HEADS
             },
+            "mtp": {"method": "mtp", "num_speculative_tokens": K},
         },
+        "targets": {"mtp": str(mtp_drafts.build())},
         "random_prompts": RANDOM_PROMPTS,
     }
     return job_result(run_job(JOB, json.dumps(job)), "speculative decoding job")

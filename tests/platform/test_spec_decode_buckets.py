@@ -26,18 +26,18 @@ def plan_with_verify(k: int = K):
     return plan, spec_decode.with_verify_buckets(plan, buckets)
 
 
-@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3"])
-def test_ngram_and_eagle_heads_are_accepted(method):
+@pytest.mark.parametrize("method", ["ngram", "eagle", "eagle3", "mtp"])
+def test_ngram_eagle_heads_and_mtp_layers_are_accepted(method):
     spec_decode.check_speculative_config(SimpleNamespace(method=method))
 
 
-@pytest.mark.parametrize("method", ["medusa", "mtp", "draft_model", "suffix"])
+@pytest.mark.parametrize("method", ["medusa", "draft_model", "suffix"])
 def test_other_methods_are_refused_with_the_method_and_the_supported_ones_named(method):
     with pytest.raises(ValueError) as err:
         spec_decode.check_speculative_config(SimpleNamespace(method=method))
 
     assert repr(method) in str(err.value)
-    assert "supported: ngram, eagle, eagle3." in str(err.value)
+    assert "supported: ngram, eagle, eagle3, mtp." in str(err.value)
 
 
 def test_eagle_with_parallel_drafting_is_refused():

@@ -407,6 +407,27 @@ UPSTREAM: tuple[Upstream, ...] = (
         f"{RUNNER}.propose_draft_token_ids",
         "HPUModelRunner.propose_draft_token_ids brackets it for DraftBucketing",
     ),
+    # MTP drafting (tests/integration/mtp_drafts.py builds a MiMo checkpoint with an MTP layer).
+    Upstream(
+        "vllm.config.speculative:SpeculativeConfig.hf_config_override",
+        "mtp_drafts: a MiMoForCausalLM config with num_nextn_predict_layers drafts with MiMoMTP",
+        mentions=("MiMoForCausalLM", "MiMoMTPModel", "num_nextn_predict_layers"),
+    ),
+    Upstream(
+        "vllm.model_executor.models.mimo_mtp:MiMoMultiTokenPredictorLayer.__init__",
+        "mtp_drafts names the MTP layer's weights after these modules",
+        mentions=("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"),
+    ),
+    Upstream(
+        "vllm.model_executor.models.mimo_mtp:MiMoMTP.__init__",
+        "mtp_drafts stores the MTP layer under model.mtp_layers.0 (vLLM remaps the index)",
+        mentions=("mtp_layers", "mtp_block"),
+    ),
+    Upstream(
+        "vllm.model_executor.models.mimo_mtp:MiMoMTP.forward",
+        "DraftBucketing.warm runs an MTP layer like an EAGLE head, by these names",
+        params=("input_ids", "positions", "hidden_states"),
+    ),
     # --- torch names patched process-wide (see the ledger above) -------------------------------
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
     Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),

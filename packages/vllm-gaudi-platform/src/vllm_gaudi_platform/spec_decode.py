@@ -20,11 +20,11 @@ from vllm_gaudi_platform import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
 # Drafters that run on HPU today. The n-gram drafter needs no draft model: it looks up the last
-# tokens in the prompt and output. EAGLE and EAGLE-3 heads run on the HPU attention backend, their
-# forward passes padded to the target's buckets (`HPUModelRunner` plans and warms them), with
-# plain-torch stand-ins for the Triton kernels of vllm/v1/spec_decode/utils.py that prepare their
-# inputs.
-SUPPORTED_METHODS = ("ngram", "eagle", "eagle3")
+# tokens in the prompt and output. EAGLE and EAGLE-3 heads, and the MTP layers a checkpoint carries
+# (method "mtp", run by the same vLLM proposer), run on the HPU attention backend, their forward
+# passes padded to the target's buckets (`HPUModelRunner` plans and warms them), with plain-torch
+# stand-ins for the Triton kernels of vllm/v1/spec_decode/utils.py that prepare their inputs.
+SUPPORTED_METHODS = ("ngram", "eagle", "eagle3", "mtp")
 
 # Why the others are refused, for the error message.
 _REFUSED = {
@@ -60,6 +60,7 @@ def check_speculative_config(speculative_config: Any) -> None:
         f"{', '.join(SUPPORTED_METHODS)}. Use speculative_config={{'method': 'ngram', "
         "'num_speculative_tokens': k, 'prompt_lookup_max': n, 'prompt_lookup_min': m}, or "
         "{'method': 'eagle', 'model': <draft head>, 'num_speculative_tokens': k}, "
+        "{'method': 'mtp', 'num_speculative_tokens': k} for a model with MTP layers, "
         "or drop speculative_config."
     )
 
@@ -247,7 +248,7 @@ class DraftBucketing:
 
 
 def draft_bucketing(runner: Any) -> DraftBucketing | None:
-    """Bucketing for the runner's drafter if it runs a model (EAGLE, EAGLE-3), else None."""
+    """Bucketing for the runner's drafter if it runs a model (EAGLE, EAGLE-3, MTP), else None."""
     drafter = getattr(runner, "drafter", None)
     if drafter is None or not hasattr(drafter, "build_per_group_and_layer_attn_metadata"):
         return None
