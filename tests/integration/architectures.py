@@ -75,6 +75,8 @@ CASES: dict[str, Case] = {
         cpu_engine={"dtype": "bfloat16"},
     ),
     "bloom": Case(lambda: tinymodels.build("bloom")),  # ALiBi
+    # attention sinks, window 40 on layer 0, biased swigluoai experts
+    "gpt-oss": Case(lambda: tinymodels.build("gpt-oss")),
 }
 # Not cross-checked: the tiny DeepSeek-V2 (MLA, test_mla.py). vLLM 0.32's CPU backend runs it but
 # its greedy tokens differ from transformers' on all 10 prompts (the one-token prompt from its
