@@ -88,6 +88,15 @@ def test_every_warmed_bucket_has_a_graph_replayed_by_serving_steps(hpu):
     assert stats["graph_replays"] > 0
 
 
+def test_mixed_prefill_and_decode_steps_replay_one_graph_per_part(hpu):
+    # A step with prefills and decodes runs as a prefill pass and a decode pass, each on a warmed
+    # bucket's graph, and a prefill row packing several prompts with cached context replays the
+    # bucket's graph too (this Llama has no windowed layer): no serving pass runs without one.
+    stats = hpu["stats"]
+    assert stats["split_steps"] > 0
+    assert stats["eager_steps"] == 0, (stats["variant_misses"], stats["eager_buckets"])
+
+
 def test_graph_replay_refuses_an_input_buffer_reallocated_after_capture(model, prompts):
     # In-process engine: the injected bug and the runner's error stay in this job's process.
     proc, result = run_engine(

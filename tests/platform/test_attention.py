@@ -76,8 +76,11 @@ def _run(
     softcap=None,
     sinks=None,
     alibi=None,
+    split=False,
 ):
-    """Run one step through the backend; return its outputs and the reference per request."""
+    """Run one step through the backend; return its outputs and the reference per request.
+    With `split`, a mixed step runs as the runner runs it: a decode pass, then a prefill pass,
+    each over its own tokens with its part's metadata."""
     from vllm_gaudi_platform.attention import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -104,6 +107,9 @@ def _run(
     layout = step_layout.plan_step(
         query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
     )
+    if split:
+        layout = step_layout.split_mixed(layout)
+        assert layout.parts is not None
     total = layout.num_tokens_padded
     real = sum(query_lens)
     q = torch.zeros(total, HEADS * DIM)
@@ -130,7 +136,20 @@ def _run(
     out = torch.zeros(total, HEADS * DIM, dtype=dtype)
     kv_cache = kv_cache.to(dtype)
     impl = _impl(window, softcap, sinks, alibi)
-    impl.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
+    if split:
+        passes = (
+            (md.parts[1], layout.parts.decode_tokens),
+            (md.parts[0], layout.parts.prefill_tokens),
+        )
+        for part_md, tokens in passes:
+            t, n_pad = list(tokens), part_md.layout.num_tokens_padded
+            pq, pk, pv = (torch.full((n_pad, x.shape[1]), 1e3, dtype=dtype) for x in (q, k, v))
+            pq[: len(t)], pk[: len(t)], pv[: len(t)] = q[t], k[t], v[t]
+            part_out = torch.zeros(n_pad, HEADS * DIM, dtype=dtype)
+            impl.forward(None, pq, pk, pv, kv_cache, part_md, part_out)
+            out[t] = part_out[: len(t)]
+    else:
+        impl.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
     refs = [
         _reference(
             queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap, sinks, alibi
@@ -180,6 +199,25 @@ def test_mixed_prefill_and_decode_step_matches_reference():
     plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
     out, ref, layout = _run([1, 1, 9, 20], [15, 30, 0, 17], plan)
     assert layout.prefill is not None and layout.decode is not None and layout.warmed
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_mixed_step_run_as_a_decode_pass_and_a_prefill_pass_matches_reference(window):
+    # How the runner runs a mixed step: each pass is exactly one warmed bucket of the plan.
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    out, ref, layout = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=window, split=True)
+    assert layout.parts.prefill.buckets == (Bucket("prompt", 2, 32, 2),)
+    assert layout.parts.decode.buckets == (Bucket("decode", 2, 1, 4),)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_step_with_a_decode_among_the_prefills_runs_in_parts():
+    # A prompt's one-token last chunk is a decode-part request, wherever vLLM puts it.
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    out, ref, layout = _run([1, 9, 1, 20], [15, 0, 30, 17], plan, split=True)
+    assert layout.parts.decode_tokens == (0, 10)
+    assert layout.parts.prefill_tokens == (*range(1, 10), *range(11, 31))
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -332,3 +370,28 @@ def test_alibi_with_soft_capping_matches_reference():
 def test_unsupported_combinations_are_refused_by_name(settings, named):
     with pytest.raises(NotImplementedError, match=named):
         _impl(**settings)
+
+
+# ----------------------------------------------------------------------------- mixed steps in parts
+def test_a_mixed_step_splits_into_a_prefill_and_a_decode_layout_over_its_own_requests():
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    layout = step_layout.plan_step(
+        query_lens=[1, 1, 9, 20], seq_lens=[16, 31, 9, 37], block_size=BLOCK, plan=plan
+    )
+    split = step_layout.split_mixed(layout).parts
+    assert split.decode.query_lens == (1, 1) and split.decode.prefill is None
+    assert split.prefill.query_lens == (9, 20) and split.prefill.decode is None
+    assert split.prefill.prefill.row_members == ((0,), (1,))  # renumbered from (2,), (3,)
+    assert (split.prefill_requests, split.decode_requests) == ((2, 3), (0, 1))
+    assert split.prefill.num_tokens_padded + split.decode.num_tokens_padded == (
+        layout.num_tokens_padded
+    )
+
+
+def test_steps_with_one_part_are_not_split():
+    plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
+    for query_lens, seq_lens in (([9, 20], [9, 20]), ([1, 1], [5, 9])):
+        layout = step_layout.plan_step(
+            query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+        )
+        assert step_layout.split_mixed(layout).parts is None

@@ -172,3 +172,30 @@ def test_a_step_on_another_attention_branch_does_not_replay_the_graph(emulated):
     assert graphs.fits(entry, {"layer": _metadata([6], [0], plan)})
     assert not graphs.fits(entry, {"layer": packed})
     assert graphs.stats.eager_steps == 1 and graphs.stats.variant_misses == 1
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_packed_row_with_context_replays_the_one_sequence_graph_when_no_layer_has_a_window(
+    emulated, window
+):
+    # With cached context both layouts take the masked path; only window narrowing tells them
+    # apart, so a runner whose model has no window keeps one graph for both.
+    from vllm_gaudi_platform.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+
+    plan = _plan(prompt=[(1, 16, 4)])
+    one = _metadata([8], [30], plan)
+    packed = _metadata([5, 5], [10, 12], plan)
+    assert one.layout.buckets == packed.layout.buckets and packed.prefill_packed
+    graphs = BucketGraphs(enabled=True)
+    graphs.packing_matters = window is not None
+    static = static_metadata(one)
+    entry = BucketGraph(graph=None, metadata={"layer": static})
+    assert graphs.fits(entry, {"layer": packed}) == (window is None)
+    if window is None:
+        from vllm_gaudi_platform.hpu_graphs import copy_metadata
+
+        copy_metadata(static, packed, packing_matters=False)
+        out, cache = _attention(static, window, 10)
+        expected, expected_cache = _attention(packed, window, 10)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(cache, expected_cache)

@@ -737,6 +737,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "warmup_model",
                 "_run_bucket",
                 "_forward_with_metadata",
+                "_forward_in_parts",
                 "_graph_forward",
                 "_graph_inputs",
                 "_static_metadata",

@@ -125,6 +125,9 @@ class HPUAttentionMetadata:
     prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
     decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
     decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
+    # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
+    # decode pass's own metadata, each laid out over its own tokens only.
+    parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
     # Per (part, window): the narrowed gather of that window, built on first use.
     _windowed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
@@ -425,6 +428,24 @@ def build_metadata(
     md.identity_layout = bool((cell_to_token == np.arange(total)).all())
     md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
     md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
+    if layout.parts is not None:
+        split = layout.parts
+        parts = []
+        for part, requests, tokens in (
+            (split.prefill, split.prefill_requests, split.prefill_tokens),
+            (split.decode, split.decode_requests, split.decode_tokens),
+        ):
+            parts.append(
+                build_metadata(
+                    layout=part,
+                    seq_lens=[seq_lens[r] for r in requests],
+                    block_table=block_table[list(requests)],
+                    slot_mapping=slot_mapping[list(tokens)],
+                    block_size=block_size,
+                    device=device,
+                )
+            )
+        md.parts = (parts[0], parts[1])
     return md
 
 

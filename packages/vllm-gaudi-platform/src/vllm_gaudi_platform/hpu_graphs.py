@@ -32,7 +32,14 @@ from vllm_gaudi_platform.step_layout import StepLayout
 
 # Metadata fields that are not copied from the step: fixed per graph (see the module docstring)
 # or a per-step cache that the forward pass rebuilds.
-_FIXED_FIELDS = {"layout", "num_actual_tokens", "identity_layout", "slot_mapping", "_windowed"}
+_FIXED_FIELDS = {
+    "layout",
+    "num_actual_tokens",
+    "identity_layout",
+    "slot_mapping",
+    "_windowed",
+    "parts",  # a graph covers one part; a mixed step replays one graph per part
+}
 
 
 class GraphStepError(RuntimeError):
@@ -60,14 +67,28 @@ def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
     )
 
 
-def same_variant(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> bool:
+def _branch_free_fields(static: HPUAttentionMetadata, packing_matters: bool) -> set[str]:
+    """Non-tensor fields no branch of this graph depends on. Packing several sequences into a
+    prefill row changes the code path only without cached context (the causal fast path) or
+    for windowed layers (window narrowing); a runner with no windowed layer says so with
+    `packing_matters=False`, and then a bucket with context has one graph for both."""
+    p = static.layout.prefill
+    if not packing_matters and p is not None and p.ctx_bucket > 0:
+        return {"prefill_packed"}
+    return set()
+
+
+def same_variant(
+    static: HPUAttentionMetadata, step: HPUAttentionMetadata, packing_matters: bool = True
+) -> bool:
     """Whether a step can replay the graph captured with `static`: same buckets, and the same
     value of every non-tensor field the attention code branches on (e.g. `prefill_packed`,
     which picks the masked path over the causal fast path). A graph records one branch."""
     if step.layout.buckets != static.layout.buckets:
         return False
+    free = _branch_free_fields(static, packing_matters)
     for f in dataclasses.fields(static):
-        if f.name in _FIXED_FIELDS:
+        if f.name in _FIXED_FIELDS or f.name in free:
             continue
         mine, theirs = getattr(static, f.name), getattr(step, f.name)
         if isinstance(mine, torch.Tensor) or isinstance(theirs, torch.Tensor):
@@ -78,7 +99,9 @@ def same_variant(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> bo
     return True
 
 
-def copy_metadata(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> None:
+def copy_metadata(
+    static: HPUAttentionMetadata, step: HPUAttentionMetadata, packing_matters: bool = True
+) -> None:
     """Write one step's metadata into the bucket's static metadata, in place."""
     if step.layout.buckets != static.layout.buckets:
         raise GraphStepError(
@@ -88,8 +111,9 @@ def copy_metadata(static: HPUAttentionMetadata, step: HPUAttentionMetadata) -> N
     static.slot_mapping[:n].copy_(step.slot_mapping[:n])
     static.slot_mapping[n:].zero_()
     static._windowed.clear()  # derived masks: recomputed from the updated positions
+    free = _branch_free_fields(static, packing_matters)
     for f in dataclasses.fields(static):
-        if f.name in _FIXED_FIELDS:
+        if f.name in _FIXED_FIELDS or f.name in free:
             continue
         mine, theirs = getattr(static, f.name), getattr(step, f.name)
         if isinstance(mine, torch.Tensor) and isinstance(theirs, torch.Tensor):
@@ -120,7 +144,7 @@ class GraphStats:
     captured: int = 0
     capture_seconds: float = 0.0
     replays: int = 0
-    eager_steps: int = 0  # serving steps with no graph (mixed prefill + decode, unplanned)
+    eager_steps: int = 0  # serving forward passes with no graph (unplanned shapes)
     variant_misses: int = 0  # of those: a graph of the buckets exists but for another branch
     eager_buckets: dict[tuple, int] = field(default_factory=dict)
 
@@ -132,6 +156,9 @@ class BucketGraphs:
         self.enabled = enabled
         self.graphs: dict[tuple[Bucket, ...], BucketGraph] = {}
         self.stats = GraphStats()
+        # Whether packed prefill rows take another branch with cached context (windowed layers;
+        # see `_branch_free_fields`). The runner clears it for a model without windows.
+        self.packing_matters = True
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -163,11 +190,21 @@ class BucketGraphs:
         """Whether the step's metadata matches the graph's branch (see `same_variant`); a step
         that does not runs eagerly and is counted as an eager step."""
         ok = all(
-            same_variant(static, step_metadata[name]) for name, static in entry.metadata.items()
+            same_variant(static, step_metadata[name], self.packing_matters)
+            for name, static in entry.metadata.items()
         )
         if not ok:
             self.stats.eager_steps += 1
             self.stats.variant_misses += 1
+            static = next(iter(entry.metadata.values()))
+            key = (
+                *(
+                    (b.phase, b.batch_size, b.query_len, b.ctx_blocks)
+                    for b in static.layout.buckets
+                ),
+                "other variant",
+            )
+            self.stats.eager_buckets[key] = self.stats.eager_buckets.get(key, 0) + 1
         return ok
 
     def replay(
@@ -182,7 +219,7 @@ class BucketGraphs:
             if id(static) in done:
                 continue
             done.add(id(static))
-            copy_metadata(static, step_metadata[name])
+            copy_metadata(static, step_metadata[name], self.packing_matters)
         entry.replays += 1
         self.stats.replays += 1
         return entry.graph.replay(inputs_for(entry.metadata))

@@ -8,6 +8,7 @@ bucket, and the count of shapes run after warmup that were not warmed ("recompil
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -148,6 +149,21 @@ class _WarmupProgress:
             self.next_tenth = done * 10 // total + 1
 
 
+def _scatter_tokens(out: Any, tokens: torch.Tensor, total: int, into: Any = None) -> Any:
+    """Write one pass's forward output (hidden states, or EAGLE-3's (hidden, [aux...])) rows
+    0..len(tokens) to rows `tokens` of `into`, a zero tensor of the step's padded token count
+    made on first use."""
+    if isinstance(out, torch.Tensor):
+        if into is None:
+            into = out.new_zeros((total, *out.shape[1:]))
+        into[tokens] = out[: tokens.shape[0]]
+        return into
+    if isinstance(out, (tuple, list)):
+        targets = into if into is not None else [None] * len(out)
+        return type(out)(_scatter_tokens(o, tokens, total, t) for o, t in zip(out, targets))
+    raise TypeError(f"unexpected forward output {type(out).__name__} in a split mixed step")
+
+
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
@@ -200,6 +216,16 @@ class HPUModelRunner(GPUModelRunner):
             and self.parallel_config.pipeline_parallel_size == 1
         )
         self._graph_weights: dict[str, torch.nn.Parameter] = {}
+        # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
+        # (step_layout.split_mixed). Not with LoRA (its token mapping covers the whole step),
+        # pipeline stages (the next stage receives one tensor per step) or data parallelism
+        # (every DP rank must meet the same MoE collectives, step by step).
+        self.split_mixed_steps = (
+            self.lora_config is None
+            and self.parallel_config.pipeline_parallel_size == 1
+            and self.parallel_config.data_parallel_size == 1
+        )
+        self.split_steps = 0  # mixed steps run as two passes
 
     # ------------------------------------------------------------------ device plumbing
     def _share_host_buffers(self) -> None:
@@ -293,6 +319,13 @@ class HPUModelRunner(GPUModelRunner):
                 # (vLLM's constructor set the flag; its load_model tells the model which layers).
                 self._setup_eagle3_aux_hidden_state_outputs()
             self.draft_bucketing = spec_decode.draft_bucketing(self)
+        # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
+        # the same attention branch as one sequence per row, so one graph serves both.
+        layers = self.vllm_config.compilation_config.static_forward_context.values()
+        self.graphs.packing_matters = any(
+            getattr(getattr(layer, "impl", None), "sliding_window", None) is not None
+            for layer in layers
+        )
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -355,6 +388,8 @@ class HPUModelRunner(GPUModelRunner):
         if self.parallel_config.data_parallel_size > 1:
             ctx_blocks = [-(-(s - q) // self.block_size) for s, q in zip(seq_lens, query_lens)]
             layout = self._agree_across_dp(layout, ctx_blocks)
+        elif self.split_mixed_steps:
+            layout = step_layout.split_mixed(layout)
         self.recompiles.record(layout)
         self.step_metrics.record(layout, seq_lens, self.block_size, self.recompiles.count)
         if self.trace_recorder is not None:
@@ -413,7 +448,8 @@ class HPUModelRunner(GPUModelRunner):
         inputs_embeds: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> Any:
-        """A serving step: replay its bucket's graph when it has one, else run eagerly."""
+        """A serving step: replay its bucket's graph when it has one, else run eagerly; a mixed
+        step split in two parts runs one forward pass per part."""
         entry = None
         if (
             self._planning
@@ -422,7 +458,13 @@ class HPUModelRunner(GPUModelRunner):
             and intermediate_tensors is None
             and not model_kwargs
         ):
-            entry = self.graphs.lookup(step_layout.current())
+            layout = step_layout.current()
+            if layout is not None and layout.parts is not None:
+                assert positions is not None
+                split = self._forward_in_parts(layout, input_ids, positions)
+                if split is not None:
+                    return split
+            entry = self.graphs.lookup(layout)
         if entry is None:
             return super()._model_forward(
                 input_ids=input_ids,
@@ -442,6 +484,64 @@ class HPUModelRunner(GPUModelRunner):
             step_metadata,
             lambda static: self._graph_inputs(ids, pos, static),
         )
+
+    def _forward_in_parts(
+        self, layout: step_layout.StepLayout, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> Any:
+        """A mixed step as two forward passes, the prefill part's bucket then the decode part's,
+        each replaying its own graph (or eager without one); None when the step's metadata was
+        not built in parts (then the step runs as one pass).
+
+        Each pass reads its own tokens at the front of vLLM's persistent token buffers (where its
+        graph was captured); the buffers get the step's tokens back afterwards, since vLLM reads
+        them again (drafting). The hidden states come back in the step's token order, padding
+        rows zero, so vLLM's logits and pooling indices are unchanged.
+        """
+        context = get_forward_context()
+        step_md = context.attn_metadata
+        split = layout.parts
+        assert isinstance(step_md, dict) and split is not None
+        if positions.dim() != 1 or any(
+            not isinstance(md, HPUAttentionMetadata) or md.parts is None for md in step_md.values()
+        ):
+            return None
+        saved_ids, saved_pos = input_ids.clone(), positions.clone()
+        saved_padding = context.is_padding
+        passes = (
+            (split.prefill, split.prefill_tokens),
+            (split.decode, split.decode_tokens),
+        )
+        merged: Any = None
+        try:
+            # The step's padding mask (vLLM's MoE may skip padded tokens) is for one pass.
+            context.is_padding = None
+            for index, (part, token_list) in enumerate(passes):
+                tokens = torch.tensor(token_list, dtype=torch.int64, device=input_ids.device)
+                n, total = len(token_list), part.num_tokens_padded
+                ids, pos = input_ids[:total], positions[:total]
+                ids[:n].copy_(saved_ids[tokens])
+                ids[n:].zero_()
+                pos[:n].copy_(saved_pos[tokens])
+                pos[n:].zero_()
+                part_md = {name: md.parts[index] for name, md in step_md.items()}
+                context.attn_metadata = part_md  # type: ignore[assignment]
+                step_layout.set_current(part)
+                entry = self.graphs.lookup(part)
+                if entry is not None and self.graphs.fits(entry, part_md):
+                    out = self.graphs.replay(
+                        entry, part_md, functools.partial(self._graph_inputs, ids, pos)
+                    )
+                else:
+                    out = super()._model_forward(input_ids=ids, positions=pos)
+                merged = _scatter_tokens(out, tokens, input_ids.shape[0], merged)
+        finally:
+            context.attn_metadata = step_md
+            context.is_padding = saved_padding
+            step_layout.set_current(layout)
+            input_ids.copy_(saved_ids)
+            positions.copy_(saved_pos)
+        self.split_steps += 1
+        return merged
 
     def _graph_forward(
         self,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_gaudi_platform.bucketing import PACKED_CONTEXT_FACTOR, Bucket, BucketPlan
 
@@ -48,6 +48,8 @@ class StepLayout:
     query_lens: tuple[int, ...]
     prefill: PrefillPart | None
     decode: DecodePart | None
+    # A mixed step the runner runs as two forward passes, one per part (see `split_mixed`).
+    parts: SplitStep | None = field(default=None, compare=False)
 
     @property
     def num_tokens_padded(self) -> int:
@@ -152,6 +154,60 @@ def plan_step(
     )
     decode = plan_decode(decode_members, seq_lens, block_size, plan) if decode_members else None
     return StepLayout(tuple(query_lens), prefill, decode)
+
+
+@dataclass(frozen=True)
+class SplitStep:
+    """A mixed step as two one-part layouts over their own requests, renumbered from 0, and
+    which of the step's requests and tokens each part takes (in the part's order)."""
+
+    prefill: StepLayout
+    decode: StepLayout
+    prefill_requests: tuple[int, ...]
+    decode_requests: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    decode_tokens: tuple[int, ...]
+
+
+def split_mixed(layout: StepLayout) -> StepLayout:
+    """`layout` with `parts` set when it is a mixed step: prefill and decode requests.
+
+    On a Gaudi a mixed step run as ONE forward pass is a shape no bucket covers: the model's
+    layers see prefill cells plus decode cells, a sum warmup never ran. Run as a prefill pass and
+    a decode pass, each is exactly a warmed bucket (and replays its HPU graph). A part's pass
+    reads its requests' tokens gathered in the part's order; vLLM usually puts the decodes first,
+    but a prompt's one-token last chunk is a decode here and may sit among the prefills.
+    Returns `layout` unchanged when it has one part only.
+    """
+    prefill, decode = layout.prefill, layout.decode
+    if prefill is None or decode is None:
+        return layout
+    starts = [0]
+    for q in layout.query_lens:
+        starts.append(starts[-1] + q)
+    decode_requests = decode.members
+    prefill_requests = tuple(i for row in prefill.row_members for i in row)
+    renumber = {r: k for k, r in enumerate(prefill_requests)}
+    rows = tuple(tuple(renumber[i] for i in row) for row in prefill.row_members)
+    decode_only = StepLayout(
+        (1,) * len(decode_requests),
+        None,
+        dataclasses.replace(decode, members=tuple(range(len(decode_requests)))),
+    )
+    prefill_only = StepLayout(
+        tuple(layout.query_lens[i] for i in prefill_requests),
+        dataclasses.replace(prefill, row_members=rows),
+        None,
+    )
+    split = SplitStep(
+        prefill=prefill_only,
+        decode=decode_only,
+        prefill_requests=prefill_requests,
+        decode_requests=decode_requests,
+        prefill_tokens=tuple(t for r in prefill_requests for t in range(starts[r], starts[r + 1])),
+        decode_tokens=tuple(starts[r] for r in decode_requests),
+    )
+    return dataclasses.replace(layout, parts=split)
 
 
 def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list[int]]:

@@ -216,6 +216,9 @@ class HPUWorker(Worker):
             "graph_capture_seconds": runner.graphs.stats.capture_seconds,
             "graph_replays": runner.graphs.stats.replays,
             "eager_steps": runner.graphs.stats.eager_steps,
+            "variant_misses": runner.graphs.stats.variant_misses,
+            "eager_buckets": {str(k): n for k, n in runner.graphs.stats.eager_buckets.items()},
+            "split_steps": runner.split_steps,
         }
 
     def check_health(self) -> None:
