@@ -13,8 +13,10 @@ in per-bucket static buffers that each step updates IN PLACE:
 - KV caches and weights: allocated once; wake-up after sleep mode moves them, so the runner
   captures again then.
 
-The seam's `Graph` does the capture and replay; its emulation checks at every replay that each
-input is still the captured buffer, with the captured shape and dtype.
+A mixed prefill + decode step replays two graphs, one per part (the runner splits it, see
+`step_layout.split_mixed`). The seam's `Graph` does the capture and replay; its emulation
+checks at every replay that each input is still the captured buffer, with the captured shape
+and dtype.
 """
 
 from __future__ import annotations
