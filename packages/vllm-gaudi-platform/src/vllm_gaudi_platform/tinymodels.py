@@ -91,6 +91,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralConfig", {"sliding_window": 48}),
+    # Gemma 3 text: two local layers (a 32-token window, rotary base 10^4) and one global layer
+    # (rotary base 10^6), q/k RMS norms, no soft-capping. vLLM serves it as Gemma3ForCausalLM.
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 32,
+            "sliding_window": 32,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            # Untied (the base's default): tied to these large embeddings, every prompt's greedy
+            # continuation repeats a single token; untied, they vary.
+        },
+    ),
     # Softer weights: activations quantized to FP8 (INC) move its logits little enough that greedy
     # decoding stays within the top-5 rule of the float model; with 0.25 attention is so peaked
     # that FP8 rounding flips tokens far down the ranking, in plain torch as well.
