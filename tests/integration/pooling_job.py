@@ -4,15 +4,17 @@ and prints one `RESULT <case> <json>` line per case:
     python pooling_job.py '<json job>'
 
 Job: {"cases": {name: {"model": path, "prompts": [[token ids]], "engine": {LLM kwargs},
-"task": "embed" (default) or "classify"}}}.
-Each case starts `LLM(..., runner="pooling")`, embeds (or classifies: class probabilities) its
-prompts twice (once all together, mixed lengths in shared steps, once one prompt per call) and
+"task": "embed" (default), "classify" or "reward"}}}.
+Each case starts `LLM(..., runner="pooling")`, embeds (or classifies: class probabilities; or
+rewards: one score per prompt token, vLLM's `token_classify` task) its prompts twice (once all
+together, mixed lengths in shared steps, once one prompt per call) and
 reports both sets of vectors and the HPU runner's recompile statistics. A case that fails prints
 its error instead, so the other cases still report.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import sys
@@ -26,8 +28,12 @@ def run_case(case: dict) -> dict:
     llm = LLM(model=case["model"], runner="pooling", **case["engine"])
     try:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in case["prompts"]]
-        if case.get("task", "embed") == "classify":
+        task = case.get("task", "embed")
+        if task == "classify":
             pool, vector = llm.classify, lambda o: o.outputs.probs
+        elif task == "reward":
+            pool = functools.partial(llm.encode, pooling_task="token_classify")
+            vector = lambda o: o.outputs.data.flatten().tolist()  # noqa: E731
         else:
             pool, vector = llm.embed, lambda o: o.outputs.embedding
         together = pool(prompts, use_tqdm=False)

@@ -10,7 +10,9 @@ in a server answering `/v1/embeddings` (two engines in all: each start costs abo
 
 A classification model (the tiny Llama with a 3-class score head,
 LlamaForSequenceClassification) runs in the same job process after the embedding model; its class
-probabilities must equal transformers' softmax of the same head.
+probabilities must equal transformers' softmax of the same head. So does a reward model (a tiny
+Qwen2ForRewardModel: a two-layer score head giving one reward per token), whose rewards must
+equal that head applied in float64 to transformers' hidden states of the same checkpoint.
 
 The prompts (1 to 300 tokens) are embedded together, so prompts of mixed lengths share bucketed
 steps (packed rows, a one-token prompt in the decode part), and again one by one: both must equal
@@ -36,7 +38,8 @@ from vllm_gaudi_platform import tinymodels
 pytestmark = pytest.mark.engine
 
 JOB = Path(__file__).with_name("pooling_job.py")
-# float32 on both sides; the largest difference measured is below 5e-7 (unit-norm vectors).
+# float32 on both sides; the largest differences measured are below 5e-7 (unit-norm vectors)
+# and 3e-6 (token rewards, which range from about -1.8 to 2.9).
 TOLERANCE = 1e-4
 ENGINE = {
     "dtype": "float32",
@@ -60,6 +63,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         "llama": str(tinymodels.build("llama")),
         "bert": str(tinymodels.build("bert")),
         "classifier": str(classifier(tmp_path_factory.mktemp("classifier"))),
+        "reward": str(reward_model(tmp_path_factory.mktemp("reward"))),
     }
 
 
@@ -79,6 +83,63 @@ def classifier(folder: Path) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
+
+
+def reward_model(folder: Path) -> Path:
+    """A tiny Qwen2 (seeded random weights, the tiny Llama's sizes and tokenizer) with a seeded
+    two-layer score head, saved as Qwen2ForRewardModel: vLLM runs it as a reward model, one
+    score per token (`token_classify`, ALL pooling). `problem_type: regression` keeps the raw
+    scores (no activation), as reward models report them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    source = tinymodels.build("llama")
+    base = json.loads((source / "config.json").read_text())
+    sizes = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "initializer_range",
+    ]
+    config = Qwen2Config(**{k: base[k] for k in sizes}, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    h = config.hidden_size
+    weights = load_file(folder / "model.safetensors")
+    weights["score.0.weight"] = torch.randn(h, h) / h**0.5
+    weights["score.0.bias"] = 0.1 * torch.randn(h)
+    weights["score.2.weight"] = torch.randn(1, h) / h**0.5
+    weights["score.2.bias"] = 0.1 * torch.randn(1)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((folder / "config.json").read_text())
+    meta.update(architectures=["Qwen2ForRewardModel"], problem_type="regression", num_labels=1)
+    (folder / "config.json").write_text(json.dumps(meta))
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def hf_token_rewards(model: str, prompts: list[list[int]]) -> list[list[float]]:
+    """Each prompt token's reward: transformers' final hidden states of the Qwen2 base model,
+    through the checkpoint's score head (linear, ReLU, linear) in float64."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model, torch_dtype=torch.float32).eval()
+    head = {k: w.double() for k, w in load_file(Path(model) / "model.safetensors").items()}
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            hidden = hf(input_ids=torch.tensor([prompt])).last_hidden_state[0].double()
+            mid = torch.relu(hidden @ head["score.0.weight"].T + head["score.0.bias"])
+            out.append((mid @ head["score.2.weight"].T + head["score.2.bias"])[:, 0].tolist())
+    return out
 
 
 def hf_class_probabilities(model: str, prompts: list[list[int]]) -> list[list[float]]:
@@ -116,6 +177,7 @@ def references(models, prompts) -> dict[str, list[list[float]]]:
         "llama": hf_embeddings(models["llama"], prompts, "last"),
         "bert": hf_embeddings(models["bert"], prompts, "mean"),
         "classifier": hf_class_probabilities(models["classifier"], prompts),
+        "reward": hf_token_rewards(models["reward"], prompts),
     }
 
 
@@ -129,6 +191,12 @@ def offline(models, prompts) -> dict[str, dict]:
             "prompts": prompts,
             "engine": ENGINE,
             "task": "classify",
+        },
+        "reward": {
+            "model": models["reward"],
+            "prompts": prompts,
+            "engine": ENGINE,
+            "task": "reward",
         },
     }
     proc = run_job(JOB, json.dumps({"cases": cases}), timeout=900)
@@ -249,4 +317,23 @@ def test_offline_class_probabilities_of_single_prompts_equal_transformers(offlin
 
 def test_classification_model_runs_no_shape_after_warmup_that_warmup_did_not(offline):
     stats = offline["classifier"]["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+def test_offline_token_rewards_of_mixed_length_batch_equal_the_reference(offline, references):
+    rewards = offline["reward"]["together"]
+    assert [len(r) for r in rewards] == [len(r) for r in references["reward"]]  # one per token
+    err = max_error(rewards, references["reward"])
+    print(f"reward offline, together: largest reward difference {err:.2e}")
+    assert err < TOLERANCE, f"largest reward difference {err:.2e}"
+
+
+def test_offline_token_rewards_of_single_prompts_equal_the_reference(offline, references):
+    err = max_error(offline["reward"]["alone"], references["reward"])
+    print(f"reward offline, alone: largest reward difference {err:.2e}")
+    assert err < TOLERANCE, f"largest reward difference {err:.2e}"
+
+
+def test_reward_model_runs_no_shape_after_warmup_that_warmup_did_not(offline):
+    stats = offline["reward"]["stats"]
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
