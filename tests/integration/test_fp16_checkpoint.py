@@ -4,6 +4,8 @@ float32 stays available."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from tests.integration import architectures
@@ -14,8 +16,9 @@ from vllm.engine.arg_utils import EngineArgs
 if __name__ == "__main__":
     for dtype in ("auto", "float16", "float32"):
         config = EngineArgs(model={model!r}, dtype=dtype, max_model_len=256).create_engine_config()
-        print("DTYPE", dtype, config.model_config.dtype)
+        print("DTYPE", dtype, config.model_config.dtype, flush=True)
 """
+OURS = "not a native Gaudi type"
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +27,14 @@ def fp16_model() -> str:
     return str(architectures.fp16_checkpoint())
 
 
-def test_float16_resolves_to_bfloat16_and_float32_stays(fp16_model, run_python):
-    proc = run_python(RESOLVE_DTYPES.format(model=fp16_model), env={"VLLM_HPU_EMULATION": "cpu"})
+@pytest.fixture(scope="module")
+def resolution(fp16_model, run_python) -> subprocess.CompletedProcess[str]:
+    """A process that builds the engine config for the fp16 checkpoint with each dtype."""
+    return run_python(RESOLVE_DTYPES.format(model=fp16_model), env={"VLLM_HPU_EMULATION": "cpu"})
+
+
+def test_float16_resolves_to_bfloat16_and_float32_stays(resolution):
+    proc = resolution
     resolved = dict(
         line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("DTYPE")
     )
@@ -34,10 +43,26 @@ def test_float16_resolves_to_bfloat16_and_float32_stays(fp16_model, run_python):
         "float16": "torch.bfloat16",
         "float32": "torch.float32",
     }, proc.stderr[-3000:]
-    output = (proc.stdout + proc.stderr).splitlines()  # vLLM logs to stdout by default
-    ours = [line for line in output if "not a native Gaudi type" in line]
-    assert len(ours) == 1, "one WARNING, for the explicit float16 (vLLM itself warns for auto)"
-    assert "WARNING" in ours[0] and "bfloat16" in ours[0]
+
+
+def test_auto_and_float16_each_log_our_one_warning_and_float32_none(resolution):
+    proc = resolution
+    # vLLM logs to stdout, in order with the DTYPE lines: a config's log lines come before its
+    # DTYPE line.
+    ours: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("DTYPE"):
+            ours[line.split()[1]], pending = pending, []
+        elif OURS in line:
+            pending.append(line)
+    assert {dtype: len(lines) for dtype, lines in ours.items()} == {
+        "auto": 1,
+        "float16": 1,
+        "float32": 0,
+    }, proc.stdout[-3000:]
+    for line in ours["auto"] + ours["float16"]:
+        assert "WARNING" in line and "bfloat16" in line, line
 
 
 @pytest.mark.engine
@@ -47,7 +72,7 @@ def test_float16_checkpoint_generates_like_transformers(fp16_model):
     assert architectures.CASES["llama-fp16"].hpu_engine == {"dtype": "float16"}
     proc, result = architectures.hpu_run("llama-fp16")
     assert result is not None, proc.stderr[-4000:]
-    assert "not a native Gaudi type" in proc.stdout + proc.stderr
+    assert OURS in proc.stdout + proc.stderr
     # The reference runs the same weights in bfloat16 too; the two sides still round differently
     # (kernel order), so a near-tie may flip, which the top-5 rule of assert_close allows.
     reference = hf_greedy(fp16_model, prompts, dtype="bfloat16")

@@ -13,7 +13,7 @@ from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.seam import backend
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -287,12 +287,12 @@ class HpuPlatform(Platform):
         _check_bucketing(vllm_config)
 
         model_config = vllm_config.model_config
-        if model_config is not None and model_config.dtype == torch.float16:
+        if model_config is not None and _float16_runs_in_bfloat16(model_config):
             # Gaudi computes in bfloat16 natively; float16 checkpoints run in bfloat16 (same
             # exponent range as float32, so no overflow where float16 would have been exact).
             logger.warning(
-                "float16 is not a native Gaudi type: running %s in bfloat16. Pass "
-                "dtype='bfloat16' to silence this, or dtype='float32' for full precision.",
+                "float16 is not a native Gaudi type: running %s in bfloat16 "
+                "(dtype='float32' keeps full precision).",
                 model_config.model,
             )
             model_config.dtype = torch.bfloat16
@@ -365,6 +365,18 @@ class HpuPlatform(Platform):
         decode instances of one host onto the same core.
         """
         return []
+
+
+def _float16_runs_in_bfloat16(model_config: ModelConfig) -> bool:
+    """Whether the model would compute in float16 but for Gaudi: an explicit dtype="float16"
+    (still float16 here), or dtype="auto" on a float16 checkpoint, which vLLM already resolved
+    to bfloat16 (the first type of `supported_dtypes`), with its own generic warnings only. An
+    explicit "bfloat16" on a float16 checkpoint looks the same here and gets the warning too."""
+    if model_config.dtype == torch.float16:
+        return True
+    text_config = model_config.hf_text_config
+    checkpoint = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
+    return model_config.dtype == torch.bfloat16 and checkpoint in (torch.float16, "float16")
 
 
 def _check_async_scheduling(vllm_config: VllmConfig) -> None:
