@@ -44,6 +44,15 @@ def test_windowed_model_runs_and_the_window_is_shorter_than_the_prompts(case):
     assert max(len(p) for p in make_prompts()) > 2 * WINDOWS[name]
 
 
+def test_tiny_gemma2_soft_caps_attention_and_final_logits():
+    # The config as transformers (the reference) and vLLM's Gemma 2 read it: soft-capping on.
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tinymodels.build("gemma2"))
+    assert config.attn_logit_softcapping is not None and config.attn_logit_softcapping > 0
+    assert config.final_logit_softcapping is not None and config.final_logit_softcapping > 0
+
+
 def test_greedy_tokens_match_transformers(case):
     name, result, reference = case
     diverged = assert_close(result["rounds"][0], reference, f"{name} on HPU vs transformers")
