@@ -4,12 +4,14 @@ emulation.
 Two tiny models: the random Llama as a decoder embedding model (vLLM's default for it: the last
 token's hidden state, L2-normalised) and a tiny BERT, an encoder-only model whose attention is
 bidirectional (`AttentionType.ENCODER_ONLY`, no KV cache), mean-pooled and L2-normalised. Both are
-compared with transformers computing the same pooling on its own hidden states. The Llama runs
-offline (`LLM(..., runner="pooling").embed`, in the job process of pooling_job.py); the BERT runs
-in a server answering `/v1/embeddings` (two engines in all: each start costs about a minute).
+compared with transformers computing the same pooling on its own hidden states, offline
+(`LLM(..., runner="pooling").embed`, both in the one job process of pooling_job.py) and each
+through a server answering `/v1/embeddings` (one server at a time; each starts in about 30 s).
+The offline job makes the models' `compute_logits` refuse to run: warmup and serving of a
+pooling model must never call it.
 
 A classification model (the tiny Llama with a 3-class score head,
-LlamaForSequenceClassification) runs in the same job process after the embedding model; its class
+LlamaForSequenceClassification) runs in the same job process after the embedding models; its class
 probabilities must equal transformers' softmax of the same head. So does a reward model (a tiny
 Qwen2ForRewardModel: a two-layer score head giving one reward per token), whose rewards must
 equal that head applied in float64 to transformers' hidden states of the same checkpoint.
@@ -25,6 +27,7 @@ graphs wherever a step's bucket has one.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -183,9 +186,16 @@ def references(models, prompts) -> dict[str, list[list[float]]]:
 
 @pytest.fixture(scope="module")
 def offline(models, prompts) -> dict[str, dict]:
-    """The offline case (the decoder model), run in the job process."""
+    """The offline cases (both embedding models, the classifier, the reward model), run in one
+    job process."""
     cases = {
         "llama": {"model": models["llama"], "prompts": prompts, "engine": ENGINE},
+        "bert": {
+            "model": models["bert"],
+            "prompts": prompts,
+            "engine": ENGINE,
+            "pooler": BERT_POOLER,
+        },
         "classifier": {
             "model": models["classifier"],
             "prompts": prompts,
@@ -217,36 +227,48 @@ def max_error(ours: list[list[float]], ref: list[list[float]]) -> float:
     return max(float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(ours, ref))
 
 
-def test_offline_embeddings_of_mixed_length_batch_equal_transformers(offline, references):
-    err = max_error(offline["llama"]["together"], references["llama"])
-    print(f"llama offline, together: largest embedding difference {err:.2e}")
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_offline_embeddings_of_mixed_length_batch_equal_transformers(offline, references, name):
+    err = max_error(offline[name]["together"], references[name])
+    print(f"{name} offline, together: largest embedding difference {err:.2e}")
     assert err < TOLERANCE, f"largest embedding difference {err:.2e}"
 
 
-def test_offline_embeddings_of_single_prompts_equal_transformers(offline, references):
-    err = max_error(offline["llama"]["alone"], references["llama"])
-    print(f"llama offline, alone: largest embedding difference {err:.2e}")
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_offline_embeddings_of_single_prompts_equal_transformers(offline, references, name):
+    err = max_error(offline[name]["alone"], references[name])
+    print(f"{name} offline, alone: largest embedding difference {err:.2e}")
     assert err < TOLERANCE, f"largest embedding difference {err:.2e}"
 
 
-def test_offline_pooling_model_runs_no_shape_after_warmup_that_warmup_did_not(offline):
-    stats = offline["llama"]["stats"]
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_offline_pooling_model_runs_no_shape_after_warmup_that_warmup_did_not(offline, name):
+    stats = offline[name]["stats"]
+    assert stats["warmup_seconds"] is not None
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
-    assert stats["warmup_seconds"] is not None  # warmup ran (and skipped compute_logits)
 
 
-@pytest.fixture(scope="module")
-def bert_server(models, clean_env, tmp_path_factory) -> Iterator[str]:
-    """Base URL of `vllm serve` (the OpenAI server module) running the tiny BERT for
-    embeddings; always stopped at teardown."""
-    log = tmp_path_factory.mktemp("serve-pooling") / "server.log"
-    args = [
-        "--model",
-        models["bert"],
-        "--runner",
-        "pooling",
-        "--pooler-config",
-        json.dumps(BERT_POOLER),
+def test_warmup_and_serving_never_call_compute_logits_of_a_pooling_model(offline):
+    # The Llama embedding model keeps LlamaForCausalLM's compute_logits (the guard replaced it
+    # with one that counts and raises); BERT has none. Reward and classifier models are
+    # guarded too.
+    assert offline["llama"]["compute_logits"]["present"]
+    assert not offline["bert"]["compute_logits"]["present"]
+    calls = {name: result["compute_logits"]["calls"] for name, result in offline.items()}
+    assert calls == dict.fromkeys(calls, 0)
+
+
+@pytest.fixture(scope="module", params=["bert", "llama"])
+def server(request, models, clean_env, tmp_path_factory) -> Iterator[tuple[str, str]]:
+    """(model name, base URL) of `vllm serve` (the OpenAI server module) running one embedding
+    model: the tiny BERT (mean pooling) or the tiny Llama (its default, the last token). Module
+    scope and parametrised: pytest stops one server before starting the next."""
+    name = request.param
+    log = tmp_path_factory.mktemp(f"serve-pooling-{name}") / "server.log"
+    args = ["--model", models[name], "--runner", "pooling"]
+    if name == "bert":
+        args += ["--pooler-config", json.dumps(BERT_POOLER)]
+    args += [
         "--dtype",
         "float32",
         "--max-model-len",
@@ -256,8 +278,10 @@ def bert_server(models, clean_env, tmp_path_factory) -> Iterator[str]:
         "--kv-cache-memory-bytes",
         str(ENGINE["kv_cache_memory_bytes"]),
     ]
+    start = time.monotonic()
     with openai_server.running(args, openai_server.server_env(clean_env()), log) as base:
-        yield base
+        print(f"{name} server healthy after {time.monotonic() - start:.0f} s")
+        yield name, base
 
 
 def embed_over_http(base: str, model: str, prompts: list[list[int]]) -> list[list[float]]:
@@ -273,26 +297,27 @@ def embed_over_http(base: str, model: str, prompts: list[list[int]]) -> list[lis
 
 
 def test_v1_embeddings_of_mixed_length_batch_equal_transformers(
-    bert_server, models, prompts, references
+    server, models, prompts, references
 ):
-    ours = embed_over_http(bert_server, models["bert"], prompts)
-    err = max_error(ours, references["bert"])
-    print(f"bert /v1/embeddings, together: largest embedding difference {err:.2e}")
+    name, base = server
+    ours = embed_over_http(base, models[name], prompts)
+    err = max_error(ours, references[name])
+    print(f"{name} /v1/embeddings, together: largest embedding difference {err:.2e}")
     assert err < TOLERANCE, f"largest embedding difference {err:.2e}"
 
 
-def test_v1_embeddings_of_single_prompts_equal_transformers(
-    bert_server, models, prompts, references
-):
-    ours = [embed_over_http(bert_server, models["bert"], [p])[0] for p in prompts]
-    err = max_error(ours, references["bert"])
-    print(f"bert /v1/embeddings, alone: largest embedding difference {err:.2e}")
+def test_v1_embeddings_of_single_prompts_equal_transformers(server, models, prompts, references):
+    name, base = server
+    ours = [embed_over_http(base, models[name], [p])[0] for p in prompts]
+    err = max_error(ours, references[name])
+    print(f"{name} /v1/embeddings, alone: largest embedding difference {err:.2e}")
     assert err < TOLERANCE, f"largest embedding difference {err:.2e}"
 
 
-def test_served_encoder_model_runs_no_shape_after_warmup_that_warmup_did_not(bert_server):
+def test_served_embedding_model_runs_no_shape_after_warmup_that_warmup_did_not(server):
+    _, base = server
     resp = httpx.post(
-        f"{bert_server}/collective_rpc",
+        f"{base}/collective_rpc",
         json={"method": "get_recompile_stats"},
         timeout=60,
         trust_env=False,
