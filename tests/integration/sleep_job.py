@@ -1,5 +1,6 @@
-"""Sleep mode end to end in one engine process: generate, sleep, wake, generate again, at both
-levels, and report what the worker held on the device at each point as a RESULT JSON line.
+"""Sleep mode end to end in one engine process: generate, sleep, wake the weights, then the KV
+cache, generate again, at both levels, and report what the worker held on the device at each point
+and its recompile statistics after each run as a RESULT JSON line.
 
     python sleep_job.py <model>
 """
@@ -34,19 +35,19 @@ def run(model: str) -> dict:
     def report() -> dict:
         return llm.collective_rpc("get_sleep_report")[0]
 
-    out: dict = {"before": generate(), "awake": report()}
-    llm.sleep(level=1)
-    out["level1_asleep"] = report()
-    llm.wake_up()
-    out["level1_woken"] = report()
-    out["after_level1"] = generate()
-    llm.sleep(level=2)
-    out["level2_asleep"] = report()
-    llm.wake_up(tags=["weights"])
-    out["level2_weights_only"] = report()
-    llm.wake_up(tags=["kv_cache"])
-    out["level2_woken"] = report()
-    out["after_level2"] = generate()
+    def stats() -> dict:
+        return llm.collective_rpc("get_recompile_stats")[0]
+
+    out: dict = {"before": generate(), "awake": report(), "stats_before": stats()}
+    for level in (1, 2):
+        llm.sleep(level=level)
+        out[f"level{level}_asleep"] = report()
+        llm.wake_up(tags=["weights"])
+        out[f"level{level}_weights_only"] = report()
+        llm.wake_up(tags=["kv_cache"])
+        out[f"level{level}_woken"] = report()
+        out[f"after_level{level}"] = generate()
+        out[f"stats_after_level{level}"] = stats()
     return out
 
 

@@ -1,6 +1,7 @@
 """Sleep mode on the HPU platform (CPU emulation): levels 1 and 2 release the weights' and the KV
-cache's device memory, wake_up restores them (per tag), and greedy outputs after waking equal the
-outputs before sleeping. One engine process runs the whole sequence (sleep_job.py)."""
+cache's device memory, wake_up restores them (per tag), greedy outputs after waking equal the
+outputs before sleeping, and the run after waking meets no shape that warmup did not run. One
+engine process runs the whole sequence (sleep_job.py)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def test_wake_up_restores_the_same_amount_of_memory(run, level):
     assert woken["kv_cache_bytes"] == run["awake"]["kv_cache_bytes"]
 
 
-def test_wake_up_with_a_tag_restores_only_that_tag(run):
-    partial = run["level2_weights_only"]
+@pytest.mark.parametrize("level", [1, 2])
+def test_wake_up_with_a_tag_restores_only_that_tag(run, level):
+    partial = run[f"level{level}_weights_only"]
     assert partial["weights_bytes"] == run["awake"]["weights_bytes"]
     assert partial["kv_cache_bytes"] == 0 and partial["asleep_tags"] == ["kv_cache"]
 
@@ -54,3 +56,19 @@ def test_outputs_after_level1_wake_equal_outputs_before_sleep(run):
 
 def test_outputs_after_level2_wake_and_weight_reload_equal_outputs_before_sleep(run):
     assert run["after_level2"] == run["before"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_run_after_waking_meets_no_shape_that_warmup_did_not_run(run, level):
+    stats = run[f"stats_after_level{level}"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_run_after_waking_replays_the_recaptured_graphs(run, level):
+    # wake_up recaptures every bucket's graph on the new weight and KV cache addresses, and the
+    # run after waking replays them.
+    before = run["stats_before"] if level == 1 else run["stats_after_level1"]
+    after = run[f"stats_after_level{level}"]
+    assert after["graphs_enabled"] and after["num_graphs"] == before["num_graphs"]
+    assert after["graph_replays"] > before["graph_replays"]
