@@ -48,4 +48,9 @@ def test_greedy_tokens_match_transformers(gpt_oss):
 
 
 def test_no_recompiles_after_warmup(gpt_oss):
+    # Recorded, not asserted: with windowed layers some steps take another attention branch
+    # than their bucket's captured graph (packing matters to windowed layers, see
+    # hpu_graphs.same_variant) and run eagerly: 4 variant misses in each windowed run measured.
+    stats = gpt_oss["stats"]
+    print("gpt-oss", {k: stats[k] for k in ("eager_steps", "variant_misses", "eager_buckets")})
     assert gpt_oss["stats"]["recompiles"] == 0, gpt_oss["stats"]["unwarmed_buckets"]

@@ -51,3 +51,14 @@ def test_deepseek_v2_no_recompiles_after_warmup(deepseek):
     result, _, _, _ = deepseek
     assert result["stats"]["recompiles"] == 0, result["stats"]["unwarmed_buckets"]
     assert result["stats"]["graphs_enabled"] and result["stats"]["num_graphs"] > 0
+
+
+def test_deepseek_v2_serving_steps_all_replay_warmed_graphs(deepseek):
+    # As test_generation asserts for the tiny Llama: mixed steps split into warmed parts, and
+    # no serving step runs without its bucket's graph (MLA layers have no window, so packed
+    # prefill rows with cached context replay the one-sequence graph).
+    result, _, _, _ = deepseek
+    stats = result["stats"]
+    print("DeepSeek-V2", {k: stats[k] for k in ("eager_steps", "variant_misses", "split_steps")})
+    assert stats["split_steps"] > 0
+    assert stats["eager_steps"] == 0, (stats["variant_misses"], stats["eager_buckets"])

@@ -61,5 +61,10 @@ def test_greedy_tokens_match_transformers(case):
 
 
 def test_no_recompiles_after_warmup(case):
-    _, result, _ = case
+    name, result, _ = case
+    # Recorded, not asserted: with windowed layers some steps take another attention branch
+    # than their bucket's captured graph (packing matters to windowed layers, see
+    # hpu_graphs.same_variant) and run eagerly: 4 variant misses in each windowed run measured.
+    stats = result["stats"]
+    print(name, {k: stats[k] for k in ("eager_steps", "variant_misses", "eager_buckets")})
     assert result["stats"]["recompiles"] == 0, result["stats"]["unwarmed_buckets"]
