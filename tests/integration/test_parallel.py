@@ -66,6 +66,14 @@ def test_data_parallelism_runs_two_ranks(results):
     assert len(results["dp2ep"]["stats"]) == 2
 
 
+def test_the_dp_rank_with_fewer_prompts_runs_padding_only_steps(results):
+    # parallel_job.dp_shares gives rank 1 two prompts of eight: it runs out of requests while
+    # rank 0 still has some, and must run idle steps (the agreed buckets on padding only) so
+    # that rank 0's MoE token exchange meets a partner in every layer.
+    first, second = results["dp2ep"]["stats"]
+    assert second["idle_dp_steps"] > 0, (first["idle_dp_steps"], second["idle_dp_steps"])
+
+
 def _moe_layers(worker_layers: list[dict]) -> dict[str, dict]:
     assert worker_layers, "the worker reported no MoE layer"
     return {layer["layer"]: layer for layer in worker_layers}

@@ -145,3 +145,43 @@ def test_idle_rank_metadata_is_all_padding():
     assert md.num_actual_tokens == 0
     assert sorted(md.cell_to_token.tolist()) == list(range(total))
     assert (md.decode_block_groups == layout.decode.batch_bucket).all()  # no real sequence
+
+
+class _IdleRank:
+    """What HPUModelRunner.execute_idle_dp_step touches: the agreed layout comes from
+    `maxima` (the other ranks' all-reduce), the forward pass is recorded, not run."""
+
+    def __init__(self, maxima: tuple[int, ...]) -> None:
+        from vllm_gaudi_platform.model_runner import RecompileTracker
+
+        self.maxima = maxima
+        self.recompiles = RecompileTracker(strict=False)
+        self.block_size = BLOCK
+        self.device = torch.device("cpu")
+        self.idle_dp_steps = 0
+        self.forwards: list[tuple[int, int]] = []
+
+    def _agree_across_dp(self, layout):
+        assert layout is None  # an idle rank has no requests of its own
+        return data_parallel.pad_to_agreed(layout, self.maxima, _plan())
+
+    def _forward_with_metadata(self, metadata, total, n, *, capture=None):
+        self.forwards.append((total, metadata.num_actual_tokens))
+
+
+def test_idle_rank_counts_each_padding_only_step_it_runs():
+    from vllm_gaudi_platform.model_runner import HPUModelRunner
+
+    rank = _IdleRank((2, 32, 2, 4, 8, 0, 0))  # another rank prefills and decodes
+    HPUModelRunner.execute_idle_dp_step(rank)
+    HPUModelRunner.execute_idle_dp_step(rank)
+    assert rank.idle_dp_steps == 2
+    assert rank.forwards == [(2 * 32 + 4, 0)] * 2  # the agreed buckets, no real token
+
+
+def test_step_where_every_rank_is_idle_runs_nothing_and_is_not_counted():
+    from vllm_gaudi_platform.model_runner import HPUModelRunner
+
+    rank = _IdleRank(data_parallel.IDLE)
+    HPUModelRunner.execute_idle_dp_step(rank)
+    assert rank.idle_dp_steps == 0 and rank.forwards == []

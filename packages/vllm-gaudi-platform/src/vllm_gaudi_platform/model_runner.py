@@ -226,6 +226,7 @@ class HPUModelRunner(GPUModelRunner):
             and self.parallel_config.data_parallel_size == 1
         )
         self.split_steps = 0  # mixed steps run as two passes
+        self.idle_dp_steps = 0  # padding-only steps of this DP rank while others had requests
 
     # ------------------------------------------------------------------ device plumbing
     def _share_host_buffers(self) -> None:
@@ -438,6 +439,7 @@ class HPUModelRunner(GPUModelRunner):
             device=self.device,
         )
         self._forward_with_metadata(metadata, total, 0, capture=False)
+        self.idle_dp_steps += 1
 
     # ------------------------------------------------------------------ HPU graphs
     def _model_forward(

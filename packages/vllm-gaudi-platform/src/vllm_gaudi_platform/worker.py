@@ -219,6 +219,7 @@ class HPUWorker(Worker):
             "variant_misses": runner.graphs.stats.variant_misses,
             "eager_buckets": {str(k): n for k, n in runner.graphs.stats.eager_buckets.items()},
             "split_steps": runner.split_steps,
+            "idle_dp_steps": runner.idle_dp_steps,
         }
 
     def check_health(self) -> None:
