@@ -84,7 +84,12 @@ def test_mixed_lengths_after_warmup_cause_no_recompiles(hpu):
 def test_every_warmed_bucket_has_a_graph_replayed_by_serving_steps(hpu):
     stats = hpu["stats"]
     assert stats["graphs_enabled"]
-    assert stats["num_graphs"] == stats["num_prompt_buckets"] + stats["num_decode_buckets"]
+    # Plus the packed-prefill variant of the single-row prompt buckets without context (the
+    # one-sequence causal fast path does not serve a packed row).
+    assert stats["num_packed_graphs"] > 0
+    assert stats["num_graphs"] == (
+        stats["num_prompt_buckets"] + stats["num_decode_buckets"] + stats["num_packed_graphs"]
+    )
     assert stats["graph_replays"] > 0
 
 

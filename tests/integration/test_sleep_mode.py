@@ -71,4 +71,7 @@ def test_run_after_waking_replays_the_recaptured_graphs(run, level):
     before = run["stats_before"] if level == 1 else run["stats_after_level1"]
     after = run[f"stats_after_level{level}"]
     assert after["graphs_enabled"] and after["num_graphs"] == before["num_graphs"]
+    assert after["num_packed_graphs"] == before["num_packed_graphs"] > 0
     assert after["graph_replays"] > before["graph_replays"]
+    # Every pass of every run replayed a graph (packed prefill rows their packed variant).
+    assert after["eager_steps"] == 0, (after["variant_misses"], after["eager_buckets"])

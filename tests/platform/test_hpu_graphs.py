@@ -199,3 +199,66 @@ def test_a_packed_row_with_context_replays_the_one_sequence_graph_when_no_layer_
         expected, expected_cache = _attention(packed, window, 10)
         torch.testing.assert_close(out, expected)
         torch.testing.assert_close(cache, expected_cache)
+
+
+@pytest.mark.parametrize(
+    ("ctx_blocks", "packing_matters", "expected"),
+    [(0, False, True), (0, True, True), (4, False, False), (4, True, True)],
+)
+def test_a_single_row_prompt_bucket_gets_a_packed_variant_where_packing_changes_the_branch(
+    ctx_blocks, packing_matters, expected
+):
+    from vllm_gaudi_platform.hpu_graphs import BucketGraphs
+
+    graphs = BucketGraphs(enabled=True)
+    graphs.packing_matters = packing_matters
+    assert graphs.needs_packed_variant(Bucket("prompt", 1, 16, ctx_blocks)) == expected
+    # A row of several prompts, a one-token row and decode buckets have no packed variant.
+    assert not graphs.needs_packed_variant(Bucket("prompt", 2, 16, ctx_blocks))
+    assert not graphs.needs_packed_variant(Bucket("prompt", 1, 1, ctx_blocks))
+    assert not graphs.needs_packed_variant(Bucket("decode", 1, 1, ctx_blocks))
+
+
+@pytest.mark.parametrize("ctx_blocks", [0, 1, 3])
+def test_warmup_layout_of_a_packed_variant_fills_the_bucket_with_two_sequences(
+    emulated, ctx_blocks
+):
+    from vllm_gaudi_platform.attention import build_metadata
+
+    bucket = Bucket("prompt", 1, 16, ctx_blocks)
+    layout, seq_lens = step_layout.layout_for_bucket(bucket, BLOCK, packed=True)
+    assert layout.buckets == (bucket,) and layout.num_tokens_padded == 16
+    assert sum(layout.query_lens) == 16 and len(seq_lens) == 2
+    ctx = [s - q for s, q in zip(seq_lens, layout.query_lens)]
+    assert all(c % BLOCK == 0 for c in ctx) and sum(ctx) == ctx_blocks * BLOCK
+    table = torch.zeros(2, max(-(-s // BLOCK) for s in seq_lens), dtype=torch.int32)
+    md = build_metadata(
+        layout=layout,
+        seq_lens=seq_lens,
+        block_table=table,
+        slot_mapping=torch.zeros(16, dtype=torch.int64),
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    assert md.prefill_packed
+    with pytest.raises(ValueError, match="no packed variant"):
+        step_layout.layout_for_bucket(Bucket("prompt", 2, 16, 0), BLOCK, packed=True)
+
+
+def test_a_packed_step_replays_the_packed_graph_and_a_one_sequence_step_the_other(emulated):
+    from vllm_gaudi_platform.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+
+    plan = _plan(prompt=[(1, 16, 0)])
+    one = _metadata([8], [0], plan)
+    packed = _metadata([5, 5], [0, 0], plan)
+    graphs = BucketGraphs(enabled=True)
+    plain_entry = BucketGraph(graph=None, metadata={"layer": static_metadata(one)})
+    packed_entry = BucketGraph(graph=None, metadata={"layer": static_metadata(packed)})
+    graphs.graphs[(one.layout.buckets, False)] = plain_entry
+    # Only the one-sequence graph: a packed step runs eagerly, counted as a variant miss.
+    assert graphs.lookup(packed.layout, {"layer": packed}) is None
+    assert graphs.stats.variant_misses == 1
+    graphs.graphs[(packed.layout.buckets, True)] = packed_entry
+    assert graphs.lookup(packed.layout, {"layer": _metadata([6, 4], [0, 0], plan)}) is packed_entry
+    assert graphs.lookup(one.layout, {"layer": _metadata([7], [0], plan)}) is plain_entry
+    assert graphs.stats.eager_steps == 1 and graphs.stats.variant_misses == 1

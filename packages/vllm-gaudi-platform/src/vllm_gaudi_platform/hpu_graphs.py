@@ -13,6 +13,11 @@ in per-bucket static buffers that each step updates IN PLACE:
 - KV caches and weights: allocated once; wake-up after sleep mode moves them, so the runner
   captures again then.
 
+A single-row prompt bucket may have a second graph, its packed variant (several prefills in the
+row), where packing changes the attention branch: always without cached context (the causal
+fast path is for one sequence), and with context for a model with windowed layers. Graphs are
+keyed by (buckets, packed).
+
 A mixed prefill + decode step replays two graphs, one per part (the runner splits it, see
 `step_layout.split_mixed`). The seam's `Graph` does the capture and replay; its emulation
 checks at every replay that each input is still the captured buffer, with the captured shape
@@ -30,7 +35,7 @@ import torch
 
 from vllm_gaudi_platform.attention import HPUAttentionMetadata
 from vllm_gaudi_platform.bucketing import Bucket
-from vllm_gaudi_platform.step_layout import StepLayout
+from vllm_gaudi_platform.step_layout import StepLayout, can_pack
 
 # Metadata fields that are not copied from the step: fixed per graph (see the module docstring)
 # or a per-step cache that the forward pass rebuilds.
@@ -151,12 +156,24 @@ class GraphStats:
     eager_buckets: dict[tuple, int] = field(default_factory=dict)
 
 
+GraphKey = tuple[tuple[Bucket, ...], bool]  # (a step layout's buckets, packed prefill row)
+
+
+def is_packed(metadata: Mapping[str, Any]) -> bool:
+    """Whether a step's (or a graph's) metadata has a packed prefill row."""
+    if not isinstance(metadata, Mapping):
+        return False
+    return any(
+        isinstance(md, HPUAttentionMetadata) and md.prefill_packed for md in metadata.values()
+    )
+
+
 class BucketGraphs:
-    """The graphs of one runner, keyed by the buckets of a step layout."""
+    """The graphs of one runner, keyed by the buckets of a step layout and the packed flag."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.graphs: dict[tuple[Bucket, ...], BucketGraph] = {}
+        self.graphs: dict[GraphKey, BucketGraph] = {}
         self.stats = GraphStats()
         # Whether packed prefill rows take another branch with cached context (windowed layers;
         # see `_branch_free_fields`). The runner clears it for a model without windows.
@@ -165,19 +182,32 @@ class BucketGraphs:
     def clear(self) -> None:
         self.graphs.clear()
 
-    def lookup(self, layout: StepLayout | None) -> BucketGraph | None:
+    def needs_packed_variant(self, bucket: Bucket) -> bool:
+        """Whether warmup captures `bucket`'s packed variant too (see the module docstring)."""
+        return can_pack(bucket) and (bucket.ctx_blocks == 0 or self.packing_matters)
+
+    def lookup(
+        self, layout: StepLayout | None, step_metadata: Mapping[str, Any]
+    ) -> BucketGraph | None:
+        """The graph this step replays: its buckets' graph of its variant (packed or not), or
+        the other variant's where packing does not change the branch; None (an eager step,
+        counted) when the step has no graph."""
         if not self.enabled or layout is None:
             return None
-        found = self.graphs.get(layout.buckets)
+        packed = is_packed(step_metadata)
+        found = self.graphs.get((layout.buckets, packed))
+        if found is None:
+            found = self.graphs.get((layout.buckets, not packed))
         if found is None:
             self.stats.eager_steps += 1
             key = tuple((b.phase, b.batch_size, b.query_len, b.ctx_blocks) for b in layout.buckets)
             self.stats.eager_buckets[key] = self.stats.eager_buckets.get(key, 0) + 1
-        return found
+            return None
+        return found if self.fits(found, step_metadata) else None
 
     def capture(
         self,
-        key: tuple[Bucket, ...],
+        key: GraphKey,
         graph: Any,
         fn: Callable[[], Any],
         inputs: Mapping[str, Any],

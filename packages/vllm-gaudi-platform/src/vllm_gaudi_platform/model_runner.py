@@ -466,7 +466,7 @@ class HPUModelRunner(GPUModelRunner):
                 split = self._forward_in_parts(layout, input_ids, positions)
                 if split is not None:
                     return split
-            entry = self.graphs.lookup(layout)
+            entry = self.graphs.lookup(layout, get_forward_context().attn_metadata)
         if entry is None:
             return super()._model_forward(
                 input_ids=input_ids,
@@ -477,8 +477,6 @@ class HPUModelRunner(GPUModelRunner):
             )
         step_metadata = get_forward_context().attn_metadata
         assert isinstance(step_metadata, dict)
-        if not self.graphs.fits(entry, step_metadata):
-            return super()._model_forward(input_ids=input_ids, positions=positions)
         assert input_ids is not None and positions is not None
         ids, pos = input_ids, positions
         return self.graphs.replay(
@@ -528,8 +526,8 @@ class HPUModelRunner(GPUModelRunner):
                 part_md = {name: md.parts[index] for name, md in step_md.items()}
                 context.attn_metadata = part_md  # type: ignore[assignment]
                 step_layout.set_current(part)
-                entry = self.graphs.lookup(part)
-                if entry is not None and self.graphs.fits(entry, part_md):
+                entry = self.graphs.lookup(part, part_md)
+                if entry is not None:
                     out = self.graphs.replay(
                         entry, part_md, functools.partial(self._graph_inputs, ids, pos)
                     )
@@ -599,8 +597,8 @@ class HPUModelRunner(GPUModelRunner):
         self.graphs.clear()
         start = time.perf_counter()
         num_blocks = self.cache_config.num_gpu_blocks or 0
-        for key in keys:
-            self._run_bucket(key[0], num_blocks)
+        for buckets, packed in keys:
+            self._run_bucket(buckets[0], num_blocks, packed=packed)
         logger.info("HPU graphs: %d recaptured in %.2f s", len(keys), time.perf_counter() - start)
 
     # ------------------------------------------------------------------ warmup
@@ -619,14 +617,19 @@ class HPUModelRunner(GPUModelRunner):
             )
             self.recompiles.warmup_done = True
             return
-        buckets = [*self.bucket_plan.prompt, *self.bucket_plan.decode]
+        # Each bucket once, then the packed-prefill variant of the single-row prompt buckets
+        # where packing changes the attention branch (a shape of its own on a Gaudi).
+        runs = [(b, False) for b in (*self.bucket_plan.prompt, *self.bucket_plan.decode)]
+        runs += [(b, True) for b in self.bucket_plan.prompt if self.graphs.needs_packed_variant(b)]
         num_blocks = self.cache_config.num_gpu_blocks or 0
-        total = len(buckets)
+        total = len(runs)
         logger.info(
-            "HPU warmup plan: %d buckets (%d prompt, %d decode), %s",
+            "HPU warmup plan: %d runs (%d prompt, %d decode buckets, %d packed-prefill "
+            "variants), %s",
             total,
             len(self.bucket_plan.prompt),
             len(self.bucket_plan.decode),
+            total - len(self.bucket_plan.prompt) - len(self.bucket_plan.decode),
             f"capturing {total} HPU graphs" if self.graphs.enabled else "no HPU graphs",
         )
         start = time.perf_counter()
@@ -634,13 +637,13 @@ class HPUModelRunner(GPUModelRunner):
         try:
             from tqdm import tqdm
 
-            progress = tqdm(buckets, desc="HPU warmup", unit="bucket", leave=False)
+            progress = tqdm(runs, desc="HPU warmup", unit="bucket", leave=False)
         except ImportError:  # tqdm comes with vLLM; keep working without it
-            progress = buckets
+            progress = runs
         # With LoRA on, every bucket runs with max_loras dummy adapters loaded (removed after).
         with self.maybe_setup_dummy_loras(self.lora_config):
-            for bucket in progress:
-                self._run_bucket(bucket, num_blocks)
+            for bucket, packed in progress:
+                self._run_bucket(bucket, num_blocks, packed=packed)
                 self.recompiles.warmed.add(bucket)
                 progress_log.step()
         if self.lora_config:
@@ -660,9 +663,9 @@ class HPUModelRunner(GPUModelRunner):
         )
 
     @torch.no_grad()
-    def _run_bucket(self, bucket: Bucket, num_blocks: int) -> None:
+    def _run_bucket(self, bucket: Bucket, num_blocks: int, *, packed: bool = False) -> None:
         block_size = self.block_size
-        layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size)
+        layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size, packed=packed)
         n = len(seq_lens)
         if self.lora_config:
             self._set_active_loras(
@@ -716,11 +719,12 @@ class HPUModelRunner(GPUModelRunner):
                 if not self.graphs.graphs:
                     # Allocated once; sleep mode moves them, and then recapture_graphs runs.
                     self._graph_weights = dict(self.model.named_parameters())
-                key = metadata.layout.buckets
+                buckets = metadata.layout.buckets
+                name = " + ".join(str(b) for b in buckets)
                 start = time.perf_counter()
                 hidden = self.graphs.capture(
-                    key,
-                    self.seam.Graph(" + ".join(str(b) for b in key)),
+                    (buckets, metadata.prefill_packed),
+                    self.seam.Graph(f"{name} packed" if metadata.prefill_packed else name),
                     self._graph_forward(input_ids, positions, attn_metadata),
                     self._graph_inputs(input_ids, positions, attn_metadata),
                     attn_metadata,

@@ -210,8 +210,23 @@ def split_mixed(layout: StepLayout) -> StepLayout:
     return dataclasses.replace(layout, parts=split)
 
 
-def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list[int]]:
-    """A synthetic step that fills `bucket` exactly (for warmup), and its sequence lengths."""
+def layout_for_bucket(
+    bucket: Bucket, block_size: int, *, packed: bool = False
+) -> tuple[StepLayout, list[int]]:
+    """A synthetic step that fills `bucket` exactly (for warmup), and its sequence lengths.
+
+    `packed`: a single-row prompt bucket holding two sequences (query and context blocks split
+    between them), the packed-prefill variant whose attention takes another branch.
+    """
+    if packed:
+        if not can_pack(bucket):
+            raise ValueError(f"{bucket} has no packed variant (one row of >= 2 query tokens)")
+        q, c = bucket.query_len, bucket.ctx_blocks
+        query_lens = [q - q // 2, q // 2]
+        ctx = [c - c // 2, c // 2]
+        seq_lens = [query_lens[i] + ctx[i] * block_size for i in range(2)]
+        prefill = PrefillPart(1, q, c, ((0, 1),), bucket, True)
+        return StepLayout(tuple(query_lens), prefill, None), seq_lens
     if bucket.phase != "decode":  # prompt and verify buckets are prefill-shaped
         n, q, c = bucket.batch_size, bucket.query_len, bucket.ctx_blocks
         query_lens = [q] * n
@@ -225,6 +240,11 @@ def layout_for_bucket(bucket: Bucket, block_size: int) -> tuple[StepLayout, list
     seq_lens = [per_seq * block_size] * n
     decode = DecodePart(n, blocks, tuple(range(n)), bucket, True)
     return StepLayout(tuple(query_lens), None, decode), seq_lens
+
+
+def can_pack(bucket: Bucket) -> bool:
+    """Whether a prompt bucket can hold a packed row (several prefills in its one row)."""
+    return bucket.phase == "prompt" and bucket.batch_size == 1 and bucket.query_len >= 2
 
 
 _local = threading.local()

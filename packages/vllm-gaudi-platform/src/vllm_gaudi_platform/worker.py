@@ -213,6 +213,7 @@ class HPUWorker(Worker):
             "lora_unwarmed_shapes": [list(shape) for shape in runner.lora_unwarmed_shapes()],
             "graphs_enabled": runner.graphs.enabled,
             "num_graphs": len(runner.graphs.graphs),
+            "num_packed_graphs": sum(packed for _, packed in runner.graphs.graphs),
             "graph_capture_seconds": runner.graphs.stats.capture_seconds,
             "graph_replays": runner.graphs.stats.replays,
             "eager_steps": runner.graphs.stats.eager_steps,
