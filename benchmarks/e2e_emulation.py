@@ -248,7 +248,10 @@ def main() -> None:
     parser.add_argument(
         "--omp-threads",
         type=int,
-        help="OMP_NUM_THREADS for both backends' processes (default: inherited / vLLM's choice)",
+        default=len(os.sched_getaffinity(0)),
+        help="OMP_NUM_THREADS for both backends' processes (default: the cores this process may "
+        "use, which is what vLLM's CPU backend binds anyway; the HPU worker otherwise drops to "
+        "one intra-op thread after loading, as vLLM's GPU-style workers do)",
     )
     parser.add_argument("--models", default="tiny,mid", help="tiny, mid or tiny,mid")
     parser.add_argument("--mid-prompts", type=int, default=16)
@@ -319,8 +322,7 @@ def run_model(
         f"\n{name} llama, {len(lens)} prompts of {lens[0]}..{lens[-1]} tokens (median "
         f"{lens[len(lens) // 2]}), max_tokens {max_tokens}, greedy, ignore_eos; "
         f"{num_rounds} round(s), seeds {args.seed}..{args.seed + num_rounds - 1}, all but the "
-        f"first timed\nengine {ENGINE}; OMP_NUM_THREADS "
-        f"{args.omp_threads or os.environ.get('OMP_NUM_THREADS', 'not set (vLLM chooses)')}"
+        f"first timed\nengine {ENGINE}; OMP_NUM_THREADS {args.omp_threads} on both sides"
     )
     backends = ("hpu-emulation",) if args.profile else BACKENDS
     results = run_interleaved(backends, job, args.omp_threads)
