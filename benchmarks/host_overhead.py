@@ -73,13 +73,13 @@ def run_worker(job: dict) -> None:
     # Device work, on a Gaudi: the model's forward, the LM head and the sampler's kernels. The
     # sampler differs most: vLLM's CPU backend draws with its fused C++ kernel, the HPU platform
     # runs vLLM's torch sampler (as on a Gaudi). Both sides subtract the same three.
-    device_seconds = [0.0]
+    device_seconds: dict[str, float] = {"device": 0.0}
     for owner, name in (
         (runner.model, "forward"),
         (runner.model, "compute_logits"),
         (runner.sampler, "forward"),
     ):
-        _time_into(owner, name, device_seconds)
+        _wrap(owner, name, device_seconds, "device")
     phases = _instrument(llm, runner) if job.get("breakdown") else {}
     decode_profiler = _decode_profiler(llm) if job.get("profile") else None
 
@@ -94,10 +94,10 @@ def run_worker(job: dict) -> None:
             temperature=job["temperature"],
         )
         p0 = dict(phases)
-        f0, t0 = device_seconds[0], time.perf_counter()
+        f0, t0 = device_seconds["device"], time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         spent = {k: v - p0.get(k, 0.0) for k, v in phases.items()}
-        return time.perf_counter() - t0, device_seconds[0] - f0, spent
+        return time.perf_counter() - t0, device_seconds["device"] - f0, spent
 
     results = {}
     for batch in job["batches"]:
@@ -145,8 +145,9 @@ RUNNER_PHASES = (
 )
 
 
-def _time_into(obj, name: str, total: list[float]) -> None:
-    """Add the seconds spent in obj.name to total[0] (an instance attribute wraps the method)."""
+def _wrap(obj, name: str, seconds: dict[str, float], key: str) -> None:
+    """Add the seconds spent in obj.name to seconds[key] (an instance attribute wraps the
+    method; the class is untouched)."""
     original = getattr(obj, name)
 
     def timed(*args, **kwargs):
@@ -154,20 +155,7 @@ def _time_into(obj, name: str, total: list[float]) -> None:
         try:
             return original(*args, **kwargs)
         finally:
-            total[0] += time.perf_counter() - start
-
-    setattr(obj, name, timed)
-
-
-def _wrap(obj, name: str, phases: dict[str, float], key: str) -> None:
-    original = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            phases[key] = phases.get(key, 0.0) + time.perf_counter() - start
+            seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
 
     setattr(obj, name, timed)
 
