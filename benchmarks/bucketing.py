@@ -1,7 +1,9 @@
 """Bucketing strategies side by side on a synthetic serving trace.
 
 For each strategy and a few engine configurations (up to a long-context one: max_model_len
-131072, max_num_seqs 128) it prints the number of warmup graphs (prompt + decode buckets), the
+131072, max_num_seqs 128) it prints the number of warmup graphs (prompt + decode buckets + the
+packed-prefill variants of the single-row prompt buckets without context, which a model without
+windowed layers captures too; see hpu_graphs.py), the
 padding waste (padded / real, minus one: prompt tokens, prompt context blocks, decode batch slots,
 decode KV blocks), the share of steps that fit no bucket (each would be a graph compilation while
 serving) and the time to build the plan.
@@ -31,7 +33,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, can_pack, plan_from_env
 from vllm_gaudi_platform.step_trace import TracedShape, format_line
 
 STRATEGIES = ("exp", "lin", "pad", "fitted", "fitted/ho")
@@ -229,6 +231,7 @@ def measure(
     return {
         "prompt_graphs": len(plan.prompt),
         "decode_graphs": len(plan.decode),
+        "packed_graphs": sum(can_pack(b) and b.ctx_blocks == 0 for b in plan.prompt),
         **{f"waste_{k}": v for k, v in waste.items()},
         "outside": sum(outside.values()) / len(steps),
         "outside_prompt": outside["prompt"],
@@ -247,7 +250,7 @@ def main() -> None:
     args = parser.parse_args()
 
     header = (
-        f"{'engine':<8} {'strategy':<9} {'graphs (P+D)':>16} {'prompt tok pad':>15} "
+        f"{'engine':<8} {'strategy':<9} {'graphs (P+D+packed)':>20} {'prompt tok pad':>15} "
         f"{'prompt ctx pad':>15} {'decode bs pad':>14} {'decode blk pad':>15} "
         f"{'outside (P/D steps)':>20} {'plan s':>7}"
     )
@@ -259,11 +262,11 @@ def main() -> None:
         held_out = synthetic_trace(engine, args.seed + 1, count)
         for strategy in STRATEGIES:
             m = measure(engine, strategy, steps, held_out)
-            p, d = m["prompt_graphs"], m["decode_graphs"]
-            graphs = f"{p + d} ({p}+{d})"
+            p, d, k = m["prompt_graphs"], m["decode_graphs"], m["packed_graphs"]
+            graphs = f"{p + d + k} ({p}+{d}+{k})"
             outside = f"{m['outside']:.2%} ({m['outside_prompt']}/{m['outside_decode']})"
             print(
-                f"{engine.name:<8} {strategy:<9} {graphs:>16} {m['waste_prompt']:>+15.1%} "
+                f"{engine.name:<8} {strategy:<9} {graphs:>20} {m['waste_prompt']:>+15.1%} "
                 f"{m['waste_ctx']:>+15.1%} {m['waste_bs']:>+14.1%} {m['waste_blocks']:>+15.1%} "
                 f"{outside:>20} {m['plan_seconds']:>7.3f}"
             )

@@ -9,7 +9,13 @@ from collections import Counter
 import pytest
 
 from vllm_gaudi_platform import step_layout
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, fit_buckets, plan_from_env
+from vllm_gaudi_platform.bucketing import (
+    Bucket,
+    BucketPlan,
+    fit_buckets,
+    graph_count,
+    plan_from_env,
+)
 from vllm_gaudi_platform.envs import EnvError
 from vllm_gaudi_platform.step_trace import (
     TracedShape,
@@ -80,7 +86,8 @@ def test_fitted_plan_gives_every_traced_shape_a_bucket_that_holds_it(seed):
 def test_fitted_plan_never_exceeds_the_graph_budget(budget):
     plan = fit(random_trace(3), budget=budget)
 
-    assert len(plan.prompt) + len(plan.decode) <= budget
+    # Graphs, not buckets: a single-row prompt bucket without context has a packed variant.
+    assert graph_count(plan.prompt, plan.decode) <= budget
 
 
 def test_fitted_plan_has_a_bucket_for_every_legal_step_not_only_traced_ones():
@@ -112,8 +119,9 @@ def test_fitted_plan_with_room_for_every_traced_shape_pads_none():
             TracedShape("decode", 40, 1, 600): 70,
         }
     )
-    # 6 coverage buckets (prefill batch 1..4, the packed row, the largest decode) + 6 shapes.
-    plan = fit(trace, budget=12)
+    # 6 coverage buckets (prefill batch 1..4, the packed row, the largest decode) + 6 shapes,
+    # + the packed-prefill graph variant of the single-row bucket without context (1, 300, 0).
+    plan = fit(trace, budget=13)
 
     for s in trace:
         assert bucket_for(plan, s) == Bucket(s.phase, s.batch_size, s.query_len, s.ctx_blocks)
@@ -162,10 +170,11 @@ def test_fitted_decode_padding_matches_the_brute_force_optimum_within_the_stated
             trace[TracedShape("decode", batch, 1, batch * rng.randint(1, 8))] += rng.randint(1, 50)
         extra = 3
         # Coverage takes 2 (the packed prompt row, the largest decode), the one traced prompt
-        # shape 1 (its exact bucket saves far more than any decode bucket), 3 remain for decode.
+        # shape 1 and its packed-prefill graph variant 1 (its exact bucket saves far more than
+        # any decode bucket), 3 remain for decode.
         prompt = TracedShape("prompt", 1, 64, 0)
         plan = fit_buckets(
-            {**trace, prompt: 1}, **MEDIUM, budget=2 + 1 + extra, max_prefill_batch=1
+            {**trace, prompt: 1}, **MEDIUM, budget=2 + 2 + extra, max_prefill_batch=1
         )
         optimum = brute_force_optimum(trace, {Bucket("decode", 64, 1, 64 * PER_SEQ)}, extra)
         ratios.append(decode_objective(plan, trace) / optimum)
@@ -207,7 +216,7 @@ def test_fitted_strategy_reads_the_trace_and_defaults_to_exps_graph_count(tmp_pa
     plan = plan_from_env(**MEDIUM, environ=env)
 
     assert plan.strategy == "fitted"
-    assert len(plan.prompt) + len(plan.decode) <= len(exp.prompt) + len(exp.decode)
+    assert graph_count(plan.prompt, plan.decode) <= graph_count(exp.prompt, exp.decode)
     assert all(bucket_for(plan, s) is not None for s in trace)
 
 
@@ -219,7 +228,7 @@ def test_graph_budget_variable_caps_the_fitted_plan(tmp_path):
     }
     plan = plan_from_env(**MEDIUM, environ=env)
 
-    assert len(plan.prompt) + len(plan.decode) <= 25
+    assert graph_count(plan.prompt, plan.decode) <= 25
 
 
 def test_graph_budget_below_the_coverage_buckets_fails_naming_the_variable(tmp_path):
@@ -372,3 +381,27 @@ def test_a_recorded_trace_fits_a_plan_that_holds_every_recorded_step(tmp_path):
     for queries, seqs in steps:
         layout = step_layout.plan_step(query_lens=queries, seq_lens=seqs, block_size=128, plan=plan)
         assert layout.warmed
+
+
+def test_graph_count_adds_the_packed_variant_of_single_row_prompt_buckets_without_context():
+    prompt = [
+        Bucket("prompt", 1, 128, 0),  # + its packed variant
+        Bucket("prompt", 1, 128, 4),  # packing shares the masked path with context: none
+        Bucket("prompt", 2, 128, 0),  # several rows: none
+        Bucket("prompt", 1, 1, 0),  # one token holds one sequence: none
+        Bucket("prompt", 1, 128, 0),  # listed twice, warmed once
+    ]
+    decode = [Bucket("decode", 4, 1, 16)]
+
+    assert graph_count(prompt, decode) == 4 + 1 + 1
+
+
+def test_a_fit_whose_packed_variants_overrun_the_budget_gives_up_buckets_for_them():
+    trace = Counter({TracedShape("prompt", 1, q, 0): 10 for q in (100, 300, 700, 1500, 2500)})
+    trace[TracedShape("decode", 8, 1, 40)] = 100
+    # Coverage: prefill batch 1 (the packed row), the largest decode: 2 buckets, no variant.
+    plan = fit_buckets(trace, **MEDIUM, budget=6, max_prefill_batch=1)
+
+    assert graph_count(plan.prompt, plan.decode) <= 6
+    singles = [b for b in plan.prompt if b.batch_size == 1 and b.ctx_blocks == 0]
+    assert singles and graph_count(plan.prompt, plan.decode) > len(plan.prompt) + len(plan.decode)

@@ -37,7 +37,8 @@ Choosing the buckets
 ``fitted`` (ours, not Intel's)
     The buckets fitted to a trace of real step shapes (``VLLM_BUCKETING_TRACE``, a file the
     runner writes under ``VLLM_BUCKETING_RECORD_TRACE``; format in ``step_trace.py``), at most
-    ``VLLM_BUCKETING_GRAPH_BUDGET`` of them (default: as many as ``exp`` warms up). Coverage
+    ``VLLM_BUCKETING_GRAPH_BUDGET`` graphs (default: as many as ``exp`` warms up; counted by
+    ``graph_count``, packed-prefill variants included). Coverage
     first: for each prefill batch size up to ``VLLM_PROMPT_BS_BUCKET_MAX`` the largest prompt
     bucket within the token budget (batch size 1 with ``PACKED_CONTEXT_FACTOR`` times the context,
     for packed prefills), and the largest decode bucket, so every legal step has a bucket, traced
@@ -187,6 +188,21 @@ class Bucket:
     batch_size: int
     query_len: int  # tokens per sequence in this step (1 for decode)
     ctx_blocks: int  # KV-cache blocks of context: per sequence (prompt); whole batch (decode)
+
+
+def can_pack(bucket: Bucket) -> bool:
+    """Whether a prompt bucket can hold a packed row (several prefills in its one row)."""
+    return bucket.phase == "prompt" and bucket.batch_size == 1 and bucket.query_len >= 2
+
+
+def graph_count(prompt: Iterable[Bucket], decode: Iterable[Bucket]) -> int:
+    """Warmup graphs of a plan for a model without windowed layers: one per bucket, plus the
+    packed-prefill variant of each single-row prompt bucket without context (a packed row does
+    not take the one-sequence causal fast path; see hpu_graphs.py). A windowed model also
+    captures the variant of single-row buckets with context."""
+    prompt = set(prompt)
+    extra = sum(can_pack(b) and b.ctx_blocks == 0 for b in prompt)
+    return len(prompt) + len(set(decode)) + extra
 
 
 def _prompt_cost(b: Bucket) -> tuple[int, ...]:
@@ -724,14 +740,30 @@ def fit_buckets(
     budget: int,
     max_prefill_batch: int = 1,
 ) -> BucketPlan:
-    """The fitted plan: at most ``budget`` buckets that cover every legal step and minimise the
-    padding of the traced steps (``trace``: shape -> number of steps).
+    """The fitted plan: at most ``budget`` graphs (``graph_count``) whose buckets cover every
+    legal step and minimise the padding of the traced steps (``trace``: shape -> number of steps).
 
     Raises EnvError naming VLLM_BUCKETING_GRAPH_BUDGET when the budget is below the buckets that
     coverage needs. Shapes no step within the engine limits can have are dropped with a warning.
     """
     lim = _Limits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kv_blocks)
-    return _fit(trace, lim, budget, max_prefill_batch)
+    return _fit_graphs(trace, lim, budget, max_prefill_batch)
+
+
+def _fit_graphs(
+    trace: Mapping[TracedShape, int], lim: _Limits, budget: int, prefill_bs: int
+) -> BucketPlan:
+    """`_fit` within a budget of graphs rather than buckets: a fit whose packed-prefill variants
+    overrun the budget is fitted again with fewer buckets. A bucket given up saves up to two
+    graphs (itself and its variant), so each round gives up half the overrun; the coverage
+    buckets have no variant, so a budget that holds them ends the rounds."""
+    buckets = budget
+    while True:
+        plan = _fit(trace, lim, buckets, prefill_bs)
+        over = graph_count(plan.prompt, plan.decode) - budget
+        if over <= 0:
+            return plan
+        buckets -= (over + 1) // 2
 
 
 def _fit(
@@ -1014,16 +1046,17 @@ def _fitted_from_env(env: _Env, lim: _Limits, *, exp_graphs: int) -> BucketPlan:
         )
     budget = env.integer(VLLM_BUCKETING_GRAPH_BUDGET, 1)
     found = env.param(_PROMPT_BS, "MAX")
-    plan = _fit(
+    plan = _fit_graphs(
         read_trace(raw.strip()),
         lim,
         exp_graphs if budget is None else budget,
         found[1] if found else 1,
     )
     logger.info(
-        "%s=fitted: %d buckets fitted to %s within a budget of %d graphs%s",
+        "%s=fitted: %d buckets (%d graphs) fitted to %s within a budget of %d graphs%s",
         VLLM_BUCKETING_STRATEGY,
         len(plan.prompt) + len(plan.decode),
+        graph_count(plan.prompt, plan.decode),
         raw.strip(),
         exp_graphs if budget is None else budget,
         "" if budget is not None else f" (exp's count; set {VLLM_BUCKETING_GRAPH_BUDGET})",
@@ -1170,7 +1203,7 @@ def plan_from_env(
     decode = _decode_grid(ranges[_DECODE_BS], ranges[_DECODE_BLOCK], lim)
     if strategy == FITTED_STRATEGY:
         # Its default budget: the graphs exp warms up (the grid may list a bucket twice).
-        return _fitted_from_env(env, lim, exp_graphs=len(set(prompt)) + len(set(decode)))
+        return _fitted_from_env(env, lim, exp_graphs=graph_count(prompt, decode))
     for phase, found in (("prompt", prompt), ("decode", decode)):
         if not found:
             raise EnvError(

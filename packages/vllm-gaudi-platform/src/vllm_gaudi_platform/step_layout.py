@@ -21,7 +21,7 @@ import dataclasses
 import threading
 from dataclasses import dataclass, field
 
-from vllm_gaudi_platform.bucketing import PACKED_CONTEXT_FACTOR, Bucket, BucketPlan
+from vllm_gaudi_platform.bucketing import PACKED_CONTEXT_FACTOR, Bucket, BucketPlan, can_pack
 
 
 @dataclass(frozen=True)
@@ -240,11 +240,6 @@ def layout_for_bucket(
     seq_lens = [per_seq * block_size] * n
     decode = DecodePart(n, blocks, tuple(range(n)), bucket, True)
     return StepLayout(tuple(query_lens), None, decode), seq_lens
-
-
-def can_pack(bucket: Bucket) -> bool:
-    """Whether a prompt bucket can hold a packed row (several prefills in its one row)."""
-    return bucket.phase == "prompt" and bucket.batch_size == 1 and bucket.query_len >= 2
 
 
 _local = threading.local()
