@@ -39,6 +39,10 @@ NGRAM = {
     "prompt_lookup_max": 3,
     "prompt_lookup_min": 2,
 }
+# Served speculation that gets accepted: prompts of REPEATS tokens that repeat one token (see
+# repeating_prompts), SPEC_MAX_TOKENS greedy tokens each.
+REPEATS = 16
+SPEC_MAX_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +136,8 @@ def test_no_recompiles_after_warmup_with_lora(run):
 # at run time through POST /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING), and requests
 # for alpha, beta and the base model sent at once, so the server batches them together; at the
 # end beta is unloaded through POST /v1/unload_lora_adapter. The server also speculates (n-gram):
-# greedy tokens must not change, and vLLM counts the drafts.
+# greedy tokens must not change, and on prompts whose continuation repeats them vLLM counts drafts
+# that were accepted.
 
 
 @pytest.fixture(scope="module")
@@ -184,15 +189,78 @@ def test_served_completions_per_adapter_match_transformers_on_merged_weights(
     assert_close(served[name], reference[name], f"served LoRA {name}")
 
 
-def test_served_model_speculates_and_vllm_counts_drafts(lora_server, served):
-    # vLLM registers its spec-decode counters only for a speculating engine. How many drafts the
-    # random prompts above give depends on their greedy tokens, so only the counters' presence
-    # is checked here; test_spec_decode.py checks drafts and acceptance on the trained model.
-    response = lora_server.get("/metrics")
+@pytest.fixture(scope="module")
+def repeating_prompts(models) -> list[list[int]]:
+    """Prompts whose greedy continuation (base model) repeats their tokens, found with
+    transformers rather than named here, so that they follow the tiny model's weights.
+
+    The random-weight base model's continuations of random prompts never repeat, so the n-gram
+    drafter has nothing to propose. A few tokens are fixed points instead ([t] * n -> t, t, ...):
+    one prompt per such token, whose drafts are all accepted, and one with an odd token in the
+    middle ([t] * 8 + [u] + [t] * 7) whose continuation repeats t at first and then breaks off
+    in its first half, so that a draft of t is rejected."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(models["base"]), dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # as in hf_greedy: no row stops early
+    tokens = torch.arange(3, hf.config.vocab_size)  # 0-2 are special
+    with torch.no_grad():
+        logits = hf(tokens[:, None].repeat(1, REPEATS)).logits[:, -1]
+    fixed = tokens[logits.argmax(-1) == tokens].tolist()[:3]
+    assert fixed, "the base model repeats no token: nothing for the n-gram drafter to find"
+    half = REPEATS // 2
+    for t in fixed:
+        odd = [[t] * half + [u] + [t] * (REPEATS - half - 1) for u in tokens.tolist() if u != t]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor(odd), max_new_tokens=SPEC_MAX_TOKENS, do_sample=False)
+        early = out[:, REPEATS : REPEATS + SPEC_MAX_TOKENS // 2].tolist()
+        broken = [p for p, o in zip(odd, early) if o[:2] == [t, t] and set(o) != {t}]
+        if broken:
+            return [[t] * REPEATS for t in fixed] + broken[:1]
+    pytest.fail(f"no repetition of {fixed} that the base model breaks off")
+
+
+@pytest.fixture(scope="module")
+def repeating_reference(models, repeating_prompts) -> list[dict]:
+    return hf_greedy(str(models["base"]), repeating_prompts, SPEC_MAX_TOKENS)
+
+
+def spec_decode_counters(client: httpx.Client) -> dict[str, float]:
+    """vLLM's spec-decode counters from /metrics, summed over labels (per-position counts too)."""
+    response = client.get("/metrics")
     assert response.status_code == 200, response.text
-    names = {line.split("{")[0].split(" ")[0] for line in response.text.splitlines()}
-    assert "vllm:spec_decode_num_drafts_total" in names
-    assert "vllm:spec_decode_num_accepted_tokens_total" in names
+    totals: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if line.startswith("vllm:spec_decode_"):
+            series, value = line.rsplit(" ", 1)
+            name = series.split("{")[0]
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def test_served_model_speculates_and_vllm_counts_accepted_drafts(
+    lora_server, models, repeating_prompts, repeating_reference
+):
+    # Counters are cumulative over the server's life: only this request's share is checked.
+    before = spec_decode_counters(lora_server)
+    body = openai_server.completion_body(
+        repeating_prompts, SPEC_MAX_TOKENS, model=str(models["base"])
+    )
+    choices = openai_server.post(lora_server, "/v1/completions", body)["choices"]
+    after = spec_decode_counters(lora_server)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after}
+
+    tokens = [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+    assert tokens == [r["tokens"] for r in repeating_reference], "greedy tokens changed"
+    drafts = delta["vllm:spec_decode_num_drafts_total"]
+    drafted = delta["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = delta["vllm:spec_decode_num_accepted_tokens_total"]
+    print(f"served n-gram speculation: {drafts:.0f} drafts, {accepted:.0f}/{drafted:.0f} accepted")
+    assert drafts > 0
+    # The broken-off repetition rejects a draft, so fewer are accepted than drafted.
+    assert 0 < accepted < drafted
+    assert delta["vllm:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
 
 
 def test_served_lora_runs_no_shape_after_warmup_that_warmup_did_not(lora_server, served):
