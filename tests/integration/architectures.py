@@ -68,6 +68,7 @@ CASES: dict[str, Case] = {
     "llama": Case(lambda: tinymodels.build("llama"), rounds=2),
     "gemma2": Case(lambda: tinymodels.build("gemma2")),  # window 64 + soft-capping
     "mistral": Case(lambda: tinymodels.build("mistral")),  # window 48
+    "qwen2": Case(lambda: tinymodels.build("qwen2")),  # window 40 on every layer, q/k/v biases
     # two local layers (window 32, rotary base 1e4) and a global one (base 1e6), q/k norms
     "gemma3": Case(lambda: tinymodels.build("gemma3")),
     "llama-fp16": Case(

@@ -7,10 +7,11 @@ emulation, vLLM's own CPU backend) runs in its own process through this script:
 
 Job keys: model (path), prompts (lists of token ids), max_tokens, engine (LLM kwargs),
 rounds (how many times to submit the prompts; later rounds hit the prefix cache), stats (bool:
-also report the HPU runner's recompile statistics), reallocate_input_ids (bool: then inject a
-runner bug, a fresh input_ids buffer after the graphs were captured, generate once more and
-report the error as `after_reallocation`; needs the engine in-process,
-VLLM_ENABLE_V1_MULTIPROCESSING=0, generation.run_job's default).
+also report the HPU runner's recompile statistics, and as `layer_windows` the sliding window each
+attention layer was built with), reallocate_input_ids (bool: then inject a runner bug, a fresh
+input_ids buffer after the graphs were captured, generate once more and report the error as
+`after_reallocation`; needs the engine in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0,
+generation.run_job's default).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def run(job: dict) -> dict:
     }
     if job.get("stats"):
         result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
+        result["layer_windows"] = llm.collective_rpc(_layer_windows)[0]
     if job.get("reallocate_input_ids"):
         llm.collective_rpc(_reallocate_input_ids)
         try:
@@ -57,6 +59,15 @@ def run(job: dict) -> dict:
         except Exception as exc:
             result["after_reallocation"] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _layer_windows(worker) -> dict[str, int | None]:
+    """The sliding window each attention layer's backend was built with (None: global)."""
+    context = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    return {
+        name: getattr(getattr(layer, "impl", None), "sliding_window", None)
+        for name, layer in context.items()
+    }
 
 
 def _reallocate_input_ids(worker) -> None:

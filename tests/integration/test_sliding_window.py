@@ -1,13 +1,15 @@
 """Sliding-window attention and logit soft-capping end to end: tiny Gemma 2 (windowed layers
 alternating with global ones, attention and final soft-capping), Gemma 3 (two local layers, then a
-global one with its own rotary base; q/k norms, no soft-capping) and Mistral (every layer
-windowed) generate on the HPU platform what transformers generates, with windows shorter than
-most prompts (so the window really cuts), prompts longer than one 128-token block, and no
+global one with its own rotary base; q/k norms, no soft-capping), Mistral and Qwen2 with
+use_sliding_window (every layer windowed; Qwen2 with q/k/v biases) generate on the HPU platform
+what transformers generates, with windows shorter than most prompts (so the window really cuts),
+prompts longer than one 128-token block, each layer windowed as transformers windows it, and no
 recompile after warmup."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -19,8 +21,8 @@ pytestmark = pytest.mark.engine
 
 # name -> transformers attention implementation for the reference (its SDPA path ignores
 # Gemma 2's soft-capping; eager implements it).
-MODELS = {"gemma2": "eager", "gemma3": None, "mistral": None}
-WINDOWS = {"gemma2": 64, "gemma3": 32, "mistral": 48}
+MODELS = {"gemma2": "eager", "gemma3": None, "mistral": None, "qwen2": None}
+WINDOWS = {"gemma2": 64, "gemma3": 32, "mistral": 48, "qwen2": 40}
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -42,6 +44,25 @@ def test_windowed_model_runs_and_the_window_is_shorter_than_the_prompts(case):
     assert config["sliding_window"] == WINDOWS[name]
     assert result["platform"] == "HpuPlatform"
     assert max(len(p) for p in make_prompts()) > 2 * WINDOWS[name]
+
+
+def test_each_layer_is_windowed_as_transformers_windows_it(case):
+    # The reference's layout (layer_types; Mistral's config has none and windows every layer)
+    # against the window each attention layer of the HPU engine was built with. For Qwen2 this
+    # is where the two could part: transformers windows the layers i >= max_window_layers,
+    # vLLM's Qwen2 every layer.
+    from transformers import AutoConfig
+
+    name, result, _ = case
+    config = AutoConfig.from_pretrained(tinymodels.build(name))
+    layers = config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * layers
+    expected = [WINDOWS[name] if t == "sliding_attention" else None for t in types]
+    engine = {
+        int(re.search(r"layers\.(\d+)\.", layer)[1]): window
+        for layer, window in result["layer_windows"].items()
+    }
+    assert [engine[i] for i in range(layers)] == expected, engine
 
 
 def test_tiny_gemma2_soft_caps_attention_and_final_logits():

@@ -91,6 +91,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "mistral": ("MistralConfig", {"sliding_window": 48}),
+    # Qwen2 with use_sliding_window: a 40-token window on every layer, q/k/v biases (drawn at
+    # random, RANDOM_BIASES). Every layer, because that is the one layout transformers and vLLM
+    # 0.32 agree on: transformers windows the layers i >= max_window_layers, while vLLM's Qwen2
+    # gives every layer the config's window and refuses mixed layer_types unless
+    # max_window_layers == num_hidden_layers (which in transformers means no windowed layer).
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 0},
+    ),
     # Gemma 3 text: two local layers (a 32-token window, rotary base 10^4) and one global layer
     # (rotary base 10^6), q/k RMS norms, no soft-capping. vLLM serves it as Gemma3ForCausalLM.
     "gemma3": (
@@ -167,9 +176,10 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 # Models whose biases and attention-sink logits transformers initializes to zero (gpt-oss's all
-# are, its router's aside): drawn from N(0, std) instead, so that the tests exercise them.
+# are, its router's aside; Qwen2's q/k/v biases): drawn from N(0, std) instead, so that the tests
+# exercise them.
 # name -> std.
-RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0}
+RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0, "qwen2": 0.25}
 
 
 # Encoder-only models (bidirectional attention, no KV cache), saved without a language-model head:
