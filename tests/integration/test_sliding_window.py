@@ -74,6 +74,41 @@ def test_tiny_gemma2_soft_caps_attention_and_final_logits():
     assert config.final_logit_softcapping is not None and config.final_logit_softcapping > 0
 
 
+def _gemma2_greedy(prompts, *, window: bool = True, soft_cap: bool = True) -> list[list[int]]:
+    """Transformers' greedy tokens of the tiny Gemma 2, optionally without its window or its
+    attention soft-cap."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    extra = {} if window else {"sliding_window": 4096}
+    hf = AutoModelForCausalLM.from_pretrained(
+        tinymodels.build("gemma2"), attn_implementation="eager", **extra
+    ).eval()
+    if not soft_cap:
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+    with torch.no_grad():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
+def test_tiny_gemma2_greedy_tokens_depend_on_its_window_and_its_soft_cap():
+    # Without this, the window and soft-cap checks above could pass on a model whose attention
+    # decides nothing (tinymodels.BLOCK_OUTPUT_GAIN says why the recipe needed a gain).
+    prompts = make_prompts()
+    base = _gemma2_greedy(prompts)
+    no_window = _gemma2_greedy(prompts, window=False)
+    no_cap = _gemma2_greedy(prompts, soft_cap=False)
+    changed_by_window = sum(a != b for a, b in zip(base, no_window))
+    changed_by_cap = sum(a != b for a, b in zip(base, no_cap))
+    print(f"gemma2: the window decides {changed_by_window}, the soft-cap {changed_by_cap} of 10")
+    assert changed_by_window >= 3 and changed_by_cap >= 3
+
+
 def test_greedy_tokens_match_transformers(case):
     name, result, reference = case
     diverged = assert_close(result["rounds"][0], reference, f"{name} on HPU vs transformers")

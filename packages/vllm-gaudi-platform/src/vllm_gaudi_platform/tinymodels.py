@@ -181,6 +181,15 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # name -> std.
 RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0, "qwen2": 0.25}
 
+# Models whose attention would not decide a single greedy token at transformers' initialization:
+# Gemma 2 scales its (tied) embeddings by sqrt(hidden_size) and norms each block's output, so the
+# current token's embedding dominates the residual and every prompt just repeats its last token
+# (zeroing every attention output changes none of the test's greedy tokens). A gain on the
+# post-attention and post-feed-forward norms lets the blocks speak: then removing the window
+# changes 6 of the 10 test prompts, the attention soft-cap 9, attention itself 10.
+# name -> gain of those norms (Gemma's norms scale by 1 + weight).
+BLOCK_OUTPUT_GAIN: dict[str, float] = {"gemma2": 8.0}
+
 
 # Encoder-only models (bidirectional attention, no KV cache), saved without a language-model head:
 # vLLM serves them with runner="pooling" (embeddings). name -> (config class, config).
@@ -245,6 +254,8 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     recipe: list[Any] = [name, cls_name, config_kwargs, seed, CORPUS]
     if name in RANDOM_BIASES:
         recipe.append(RANDOM_BIASES[name])
+    if name in BLOCK_OUTPUT_GAIN:
+        recipe.append({"block_output_gain": BLOCK_OUTPUT_GAIN[name]})
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = (root or cache_root()) / f"tiny-{name}-{key}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
@@ -264,6 +275,11 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
             for param_name, param in model.named_parameters():
                 if param_name.endswith(("bias", "sinks")):
                     param.normal_(0.0, RANDOM_BIASES[name])
+    if name in BLOCK_OUTPUT_GAIN:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "post_attention_layernorm" in param_name or "post_feedforward" in param_name:
+                    param.fill_(BLOCK_OUTPUT_GAIN[name] - 1.0)
     model.save_pretrained(tmp, safe_serialization=True)
     _build_tokenizer(tmp)
     with contextlib.suppress(OSError):  # another process built it first
