@@ -152,9 +152,23 @@ def run_worker(job: dict) -> None:
             extra = {}
             if current_platform.device_name == "hpu":
                 stats = llm.collective_rpc("get_recompile_stats")[0]
-                extra = {"recompiles": stats["recompiles"], "warmup_s": stats["warmup_seconds"]}
+                extra = {
+                    "recompiles": stats["recompiles"],
+                    "warmup_s": stats["warmup_seconds"],
+                    "padding": {
+                        part: padding_ratio(stats["step_metrics"], part)
+                        for part in ("prompt_tokens", "decode_batch", "decode_blocks")
+                    },
+                }
             _reply("DONE", extra)
             return
+
+
+def padding_ratio(snapshot: dict, part: str) -> float:
+    """Work the buckets ran beyond the work needed, over the whole run (warmup excluded)."""
+    from vllm_gaudi_platform import metrics
+
+    return metrics.padding_ratio(snapshot[f"{part}_real"], snapshot[f"{part}_padded"])
 
 
 def _reply(tag: str, payload: dict) -> None:
@@ -346,6 +360,8 @@ def run_model(
         notes = "out tok/s per round: " + ", ".join(f"{tok_s(r):.0f}" for r in res["rounds"])
         if "recompiles" in res:
             notes += f"; warmup {res['warmup_s']:.1f} s, recompiles {res['recompiles']}"
+            pads = res["padding"]
+            notes += "; padding " + ", ".join(f"{k} +{v:.0%}" for k, v in pads.items())
         print(
             f"{backend:<14} {res['platform']:<12} {agg['requests'] / agg['elapsed_s']:>7.2f} "
             f"{tok_s(agg):>10.1f} {agg['elapsed_s']:>6.2f} {res['startup_s']:>7.1f}  {notes}"

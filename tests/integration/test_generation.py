@@ -4,6 +4,9 @@ static bucketed shapes and no recompiles."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from tests.integration.architectures import CASES, hpu_run
@@ -41,6 +44,12 @@ def reference(model, prompts) -> list[dict]:
 
 def test_generation_runs_on_the_hpu_platform(hpu):
     assert hpu["platform"] == "HpuPlatform"
+
+
+def test_every_dense_linear_layer_runs_through_the_seam(hpu, model):
+    # q/k/v, o, gate/up and down of each layer (the LM head is an embedding, not a linear layer).
+    layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+    assert hpu["stats"]["linears_on_seam"] == 4 * layers
 
 
 def test_greedy_tokens_match_transformers(hpu, reference):

@@ -25,6 +25,35 @@ def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("x_shape", [(1, 96), (33, 96), (2, 5, 96), (96,)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_the_formula(dtype, x_shape, with_bias, assert_matches):
+    # Rows 1 and 33 (decode and prefill sizes), a 3-D input, and a 1-D one (F.linear's path).
+    torch.manual_seed(0)
+    x = torch.randn(x_shape, dtype=dtype)
+    weight = torch.randn(80, 96, dtype=dtype)
+    bias = torch.randn(80, dtype=dtype) if with_bias else None
+
+    out = emulated.linear(x, weight, bias)
+
+    expected = x.double() @ weight.double().t()
+    if bias is not None:
+        expected = expected + bias.double()
+    assert out.shape == (*x_shape[:-1], 80) and out.dtype == dtype
+    assert_matches(out, expected.to(dtype))
+
+
+def test_linear_takes_non_contiguous_operands_and_an_empty_batch(assert_matches):
+    # A weight that is a transposed view (tied or fused weights) and a strided input.
+    torch.manual_seed(0)
+    weight = torch.randn(96, 80).t()
+    x = torch.randn(96, 12).t()
+    assert not weight.is_contiguous() and not x.is_contiguous()
+    assert_matches(emulated.linear(x, weight), (x.double() @ weight.double().t()).float())
+    assert emulated.linear(torch.empty(0, 96), weight).shape == (0, 80)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 7, 64), (3, 5, 128)])
 def test_rms_norm_matches_the_formula(dtype, shape, assert_matches):
     torch.manual_seed(0)

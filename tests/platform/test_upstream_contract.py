@@ -224,6 +224,17 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUWorker: no CUDA sleep-mode memory pool on HPU",
         params=("tag",),
     ),
+    Upstream(
+        "vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
+        "HPUModelRunner._route_linears_through_seam replaces each method's _gemm_impl",
+        params=("layer", "x", "bias"),
+        mentions=("_gemm_impl",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.utils:default_unquantized_gemm",
+        "the _gemm_impl HPUModelRunner installs takes the same arguments",
+        params=("layer", "x", "weight", "bias"),
+    ),
     # --- attention (attention.py) --------------------------------------------------------------
     Upstream(
         "vllm.v1.attention.backend:AttentionMetadataBuilder._init_reorder_batch_threshold",
@@ -748,6 +759,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_num_tokens_across_dp",
                 "execute_idle_dp_step",
                 "_intermediate_tensors_for",
+                "_route_linears_through_seam",
             }
         ),
     ),

@@ -167,6 +167,7 @@ def _scatter_tokens(out: Any, tokens: torch.Tensor, total: int, into: Any = None
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
+        self.linears_on_seam = 0  # set by load_model
         sched = vllm_config.scheduler_config
         # A step holds a prefill part padded to <= max_num_batched_tokens plus a decode part
         # padded to <= max_num_seqs, so the token buffers need room for both.
@@ -320,6 +321,7 @@ class HPUModelRunner(GPUModelRunner):
                 # (vLLM's constructor set the flag; its load_model tells the model which layers).
                 self._setup_eagle3_aux_hidden_state_outputs()
             self.draft_bucketing = spec_decode.draft_bucketing(self)
+        self.linears_on_seam = self._route_linears_through_seam()
         # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
         # the same attention branch as one sequence per row, so one graph serves both.
         layers = self.vllm_config.compilation_config.static_forward_context.values()
@@ -327,6 +329,30 @@ class HPUModelRunner(GPUModelRunner):
             getattr(getattr(layer, "impl", None), "sliding_window", None) is not None
             for layer in layers
         )
+
+    def _route_linears_through_seam(self) -> int:
+        """Send the unquantized linear layers' matmul (vLLM's UnquantizedLinearMethod, which
+        calls F.linear off CUDA and CPU) to the seam's `linear`, in the model and the drafter.
+        Quantized layers keep their method's kernels. Returns the number of layers routed."""
+        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+        linear = self.seam.linear
+
+        def gemm(
+            layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        ) -> torch.Tensor:
+            return linear(x, weight, bias)
+
+        models = [self.model, getattr(getattr(self, "drafter", None), "model", None)]
+        routed = 0
+        for model in (m for m in models if isinstance(m, torch.nn.Module)):
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if method is not None and type(method) is UnquantizedLinearMethod:
+                    method._gemm_impl = gemm
+                    routed += 1
+        logger.debug("%d unquantized linear layers run through the seam's linear", routed)
+        return routed
 
     def get_model(self) -> torch.nn.Module:
         return self.model

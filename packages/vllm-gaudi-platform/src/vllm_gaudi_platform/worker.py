@@ -221,6 +221,8 @@ class HPUWorker(Worker):
             "eager_buckets": {str(k): n for k, n in runner.graphs.stats.eager_buckets.items()},
             "split_steps": runner.split_steps,
             "idle_dp_steps": runner.idle_dp_steps,
+            "linears_on_seam": runner.linears_on_seam,
+            "step_metrics": runner.step_metrics.snapshot(),
         }
 
     def check_health(self) -> None:

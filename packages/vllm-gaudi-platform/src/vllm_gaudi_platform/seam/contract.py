@@ -97,6 +97,11 @@ class HpuBackend(Protocol):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor: ...
 
+    # x @ weight.T + bias: the dense matmul of every unquantized linear layer (weight [out, in]).
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
     def apply_rotary_pos_emb(
         self,
         p: torch.Tensor,

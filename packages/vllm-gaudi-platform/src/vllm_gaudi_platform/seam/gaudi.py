@@ -201,6 +201,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Ten
     return FusedRMSNorm.apply(x, weight, epsilon)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    # The MME takes the [out, in] weight as stored; the graph compiler fuses the bias add.
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def apply_rotary_pos_emb(
     p: torch.Tensor,
     cos: torch.Tensor,
