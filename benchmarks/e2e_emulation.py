@@ -12,10 +12,10 @@ kernels check Gaudi's semantics, their speed only matters for CI time).
 
 Two models: the tiny Llama (2 layers, hidden 128: host work dominates) and a mid-size Llama
 (8 layers, hidden 1024, random weights, built once next to the tiny models: compute dominates),
-with a smaller workload so that the run stays short.
+with its own, smaller workload (--mid-prompts, --mid-max-tokens, --mid-rounds).
 
     python benchmarks/e2e_emulation.py [--prompts 64] [--max-tokens 32] [--seed 0] [--rounds 4]
-    python benchmarks/e2e_emulation.py --models mid --mid-prompts 16 --mid-max-tokens 16 --mid-rounds 2
+    python benchmarks/e2e_emulation.py --models mid --mid-prompts 16 --mid-rounds 2  # quicker
     python benchmarks/e2e_emulation.py --omp-threads 1   # pin intra-op threads for both sides
     python benchmarks/e2e_emulation.py --profile   # + cProfile of the HPU side, in one process
 
