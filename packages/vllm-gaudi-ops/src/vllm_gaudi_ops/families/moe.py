@@ -111,9 +111,10 @@ def plain_experts(
     dense = torch.zeros(tokens, experts + 1, dtype=acc, device=x.device)
     dense.scatter_add_(1, ids, expert_weights.to(acc))
     out = torch.zeros(tokens, hidden, dtype=acc, device=x.device)
+    linear = backend().linear  # the MME's matmul (F.linear), or its emulation
     for e in range(experts):
-        gate_up = F.linear(x, w13[e], None if w13_bias is None else w13_bias[e])
-        y = F.linear(_gated(gate_up, activation), w2[e], None if w2_bias is None else w2_bias[e])
+        gate_up = linear(x, w13[e], None if w13_bias is None else w13_bias[e])
+        y = linear(_gated(gate_up, activation), w2[e], None if w2_bias is None else w2_bias[e])
         out.addcmul_(dense[:, e : e + 1], y.to(acc))
     return out.to(x.dtype)
 
