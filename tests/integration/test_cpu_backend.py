@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.architectures import CASES, cpu_runs, hpu_run
-from tests.integration.generation import assert_close
+from tests.integration.generation import ENGINE, assert_close
 
 pytestmark = pytest.mark.engine
 
@@ -37,4 +37,9 @@ def test_greedy_tokens_match_vllm_cpu_backend(name, cpu):
     ours, theirs = hpu["rounds"][0], cpu[name]["rounds"][0]
     diverged = assert_close(ours, theirs, f"{name}: HPU emulation vs vLLM CPU backend")
     print(f"{name}: {diverged} of {len(ours)} prompts diverge from vLLM's CPU backend (top-5)")
-    assert diverged <= len(ours) // 2, f"{name}: {diverged} of {len(ours)} prompts diverged"
+    # float32: both sides run the linear layers on oneDNN, and every architecture measured 0 of
+    # 10; the bound is the transformers comparison's (near-ties on another CPU's kernels). A
+    # half-precision run rounds differently on each side (bfloat16: 3 of 6) and may differ more.
+    full_precision = CASES[name].hpu_engine.get("dtype", ENGINE["dtype"]) == "float32"
+    allowed = 2 if full_precision else len(ours) // 2
+    assert diverged <= allowed, f"{name}: {diverged} of {len(ours)} prompts diverged"
