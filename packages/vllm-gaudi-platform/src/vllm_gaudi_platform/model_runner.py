@@ -46,7 +46,8 @@ class RecompileError(RuntimeError):
 
 
 class RecompileTracker:
-    """Counts forward-pass shapes run after warmup that warmup did not run."""
+    """Counts forward-pass shapes run after warmup that warmup did not run, and the buckets run
+    after warmup per phase (prompt, decode, verify)."""
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
@@ -54,11 +55,13 @@ class RecompileTracker:
         self.warmup_done = False
         self.count = 0
         self.seen: list[Bucket] = []
+        self.hits: dict[str, int] = {}
 
     def record(self, layout: step_layout.StepLayout) -> None:
         if not self.warmup_done:
             return
         for bucket in layout.buckets:
+            self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
             if bucket in self.warmed:
                 continue
             self.count += 1
