@@ -371,7 +371,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     float32 runs through oneDNN's inner product (torch.ops.mkldnn._linear_pointwise) on the
     weight as stored, with no packed copy to keep in step with weight reloads or sleep mode.
-    It computes the same product as F.linear (rounding differs in the last bits), 2 to 2.5x
+    It computes the same product as F.linear (rounding differs in the last bits), 2.1 to 2.6x
     faster on the CPUs CI runs on for 8 to 512 rows, where F.linear's BLAS path is slow; it is
     the kernel family vLLM's CPU backend uses too (benchmarks/e2e_emulation.py). Other dtypes,
     1-D inputs and a torch without oneDNN take F.linear.
