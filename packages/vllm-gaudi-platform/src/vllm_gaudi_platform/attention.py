@@ -469,23 +469,6 @@ def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:
     return starts - row_start
 
 
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
-
-
-def _workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    """A scratch tensor reused by every layer and step of the same bucket shape.
-
-    Layers run one after another, so one buffer per (name, shape) serves them all; shapes come
-    from buckets, so the set stays small. Reusing it spares the multi-megabyte allocation (and,
-    on the CPU, the page faults of fresh memory) that a per-call gather would cost.
-    """
-    key = (name, shape, dtype, str(device))
-    buf = _WORKSPACE.get(key)
-    if buf is None:
-        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf
-
-
 def _softcapped_attention(q, k, v, mask, scale: float, cap: float) -> torch.Tensor:
     """Attention with Gemma 2's logit soft-capping, [batch, heads, len, dim] layouts; `mask`
     boolean (True: attend) or additive (ALiBi biases, -inf where masked).
@@ -804,58 +787,23 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
 
     def _decode(self, q, blocks_view, block_size, md, layer=None):
         bsz = md.layout.decode.batch_bucket
-        h, hk, d = self.num_heads, self.num_kv_heads, self.head_size
-        g = h // hk
         blocks, groups, bias = md.decode_blocks_for(self.sliding_window, bsz)
-        nb = blocks.numel()
-        # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
-        kv = _workspace("decode_kv", (nb, *blocks_view.shape[1:]), blocks_view.dtype, q.device)
-        torch.index_select(blocks_view, 0, blocks, out=kv)
-        if self.fp8_cache:
-            fkv = _workspace("decode_kv_dequant", kv.shape, torch.float32, q.device)
-            fkv[..., :d], fkv[..., d:] = self._dequantize_kv(layer, kv, torch.float32)
-            kv = fkv
-        elif kv.dtype != torch.float32:
-            kv = kv.float()
-        # Each block gets its sequence's query (pre-scaled); padding blocks (group == bsz) get an
-        # extra all-zero row.
-        q_ext = torch.zeros(bsz + 1, h, d, dtype=torch.float32, device=q.device)
-        torch.mul(q, self.scale, out=q_ext[:bsz])
-        qb = q_ext.index_select(0, groups).view(nb, hk, g, d)
-        # Per KV head, one batched matmul over strided views of the gathered blocks (no copies).
-        scores = torch.empty(hk, nb, g, block_size, device=q.device)
-        for k in range(hk):
-            torch.bmm(qb[:, k], kv[:, :, k, :d].transpose(1, 2), out=scores[k])
-        if self.logits_soft_cap is not None:
-            cap = self.logits_soft_cap
-            scores.div_(cap).tanh_().mul_(cap)
+        alibi = None
         if self.alibi_slopes is not None:
             # Blocks are in their unwindowed order here (ALiBi with a window is refused).
             assert md.decode_block_start is not None and md.decode_query_pos is not None
             slot = torch.arange(block_size, device=q.device)
             rel = md.decode_block_start[:, None] + slot - md.decode_query_pos[:, None]
-            slopes = self.alibi_slopes.to(q.device).view(hk, 1, g, 1)
-            scores += slopes * rel[None, :, None, :].float()
-        scores += bias[:, None, :]  # unused slots (and, windowed, slots behind): -inf
-        # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
-        block_max = scores.amax(dim=-1)  # [hk, nb, g]
-        seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=q.device)
-        seq_max.scatter_reduce_(1, groups[None, :, None].expand(hk, nb, g), block_max, "amax")
-        sink = None
-        if self.sinks is not None:
-            # The sink logit is one more score of every sequence, with no value.
-            sink = self.sinks.float().view(hk, 1, g)
-            seq_max = torch.maximum(seq_max, sink)
-        seq_max.nan_to_num_(neginf=0.0)
-        scores -= seq_max.index_select(1, groups)[..., None]
-        probs = scores.exp_()
-        denom = torch.zeros(hk, bsz + 1, g, device=q.device)
-        denom.index_add_(1, groups, probs.sum(dim=-1))
-        if sink is not None:
-            denom += (sink - seq_max).exp()
-        block_out = torch.empty(hk, nb, g, d, device=q.device)
-        for k in range(hk):
-            torch.bmm(probs[k], kv[:, :, k, d:], out=block_out[k])
-        num = torch.zeros(hk, bsz + 1, g, d, device=q.device).index_add_(1, groups, block_out)
-        out = num[:, :bsz] / denom[:, :bsz, :, None].clamp_min(1e-30)  # [hk, bsz, g, d]
-        return out.permute(1, 0, 2, 3).reshape(bsz, h, d).to(q.dtype)
+            alibi = (self.alibi_slopes, rel)
+        return self.seam.paged_decode(
+            q,
+            blocks_view,
+            blocks,
+            groups,
+            bias,
+            self.scale,
+            soft_cap=self.logits_soft_cap,
+            alibi=alibi,
+            sinks=self.sinks,
+            kv_scales=self._kv_scales(layer) if self.fp8_cache else None,
+        )

@@ -183,6 +183,23 @@ class HpuBackend(Protocol):
         self, x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor
     ) -> torch.Tensor: ...
 
+    # ------------------------------------------------------------------ paged decode
+    # One query per sequence over Gaudi's flat block list (see seam/paged_attention.py).
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        block_list: torch.Tensor,
+        block_groups: torch.Tensor,
+        block_bias: torch.Tensor,
+        scale: float,
+        *,
+        soft_cap: float | None = None,
+        alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sinks: torch.Tensor | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor: ...
+
     # ------------------------------------------------------------------ MLA kernels
     # Weight-absorbed latent attention: one KV head whose rows are [kv_lora_rank + rope_dim], the
     # value being the first kv_lora_rank columns (see seam/latent_attention.py).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_gaudi_platform.seam import latent_attention
+from vllm_gaudi_platform.seam import latent_attention, paged_attention
 from vllm_gaudi_platform.seam.contract import GraphInputError
 from vllm_gaudi_platform.seam.plain_attention import attention_with_sinks
 
@@ -712,6 +712,47 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor)
     return spread @ lora_b.float().transpose(1, 2).reshape(slots * rank, width)
 
 
+# ---------------------------------------------------------------------- paged decode
+def paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_groups: torch.Tensor,
+    block_bias: torch.Tensor,
+    scale: float,
+    *,
+    soft_cap: float | None = None,
+    alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Gaudi's flat paged decode (seam/paged_attention.py), over the used entries only.
+
+    The bucket's padding entries (group `batch`) are fully masked and change no result; a Gaudi
+    computes them because its graph needs the static length, but the emulation runs eagerly and
+    skips them. With exponential buckets they are up to half the list, and the gather and
+    matmuls over them were the largest share of emulated decode time."""
+    extra = [alibi[1]] if alibi is not None else []
+    block_list, block_groups, block_bias, *extra = paged_attention.drop_padding_entries(
+        query.shape[0], block_list, block_groups, block_bias, *extra
+    )
+    if alibi is not None:
+        alibi = (alibi[0], extra[0])
+    return paged_attention.paged_decode(
+        query,
+        cache,
+        block_list,
+        block_groups,
+        block_bias,
+        scale,
+        soft_cap=soft_cap,
+        alibi=alibi,
+        sinks=sinks,
+        kv_scales=kv_scales,
+        cast_from_fp8=cast_from_fp8,
+    )
+
+
 # ---------------------------------------------------------------------- MLA (latent attention)
 def mla_prefill(
     query: torch.Tensor,
@@ -737,7 +778,11 @@ def mla_paged_decode(
     kv_lora_rank: int,
 ) -> torch.Tensor:
     """Weight-absorbed MLA decode over a flat block list of the latent cache [num_blocks,
-    block_size, kv_lora_rank + rope_dim]. Returns [batch, heads, kv_lora_rank]."""
+    block_size, kv_lora_rank + rope_dim]. Returns [batch, heads, kv_lora_rank]. Like
+    `paged_decode`, skips the bucket's padding entries."""
+    block_list, block_groups, block_bias = paged_attention.drop_padding_entries(
+        query.shape[0], block_list, block_groups, block_bias
+    )
     return latent_attention.latent_paged_decode(
         query, cache, block_list, block_groups, block_bias, scale, kv_lora_rank
     )

@@ -18,7 +18,7 @@ from habana_frameworks.torch.hpex.kernels import FusedSDPA, RotaryPosEmbeddingMo
 from habana_frameworks.torch.hpex.kernels import apply_rotary_pos_emb as _hpu_rotary_pos_emb
 from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
-from vllm_gaudi_platform.seam import latent_attention
+from vllm_gaudi_platform.seam import latent_attention, paged_attention
 from vllm_gaudi_platform.seam.plain_attention import attention_with_sinks
 
 NAME = "gaudi"
@@ -371,6 +371,37 @@ def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor)
     mask = _lora_slot_mask(token_lora, slots, lora_b.dtype)
     spread = (x.to(lora_b.dtype).unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
     return torch.matmul(spread, lora_b.transpose(1, 2).reshape(slots * rank, width)).float()
+
+
+# ---------------------------------------------------------------------- paged decode
+def paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_groups: torch.Tensor,
+    block_bias: torch.Tensor,
+    scale: float,
+    *,
+    soft_cap: float | None = None,
+    alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Flat paged decode as plain tensor ops over the bucket's whole block list, padding
+    included: its static length is what lets one graph per bucket replay."""
+    return paged_attention.paged_decode(
+        query,
+        cache,
+        block_list,
+        block_groups,
+        block_bias,
+        scale,
+        soft_cap=soft_cap,
+        alibi=alibi,
+        sinks=sinks,
+        kv_scales=kv_scales,
+        cast_from_fp8=cast_from_fp8,
+    )
 
 
 # ---------------------------------------------------------------------- MLA (latent attention)

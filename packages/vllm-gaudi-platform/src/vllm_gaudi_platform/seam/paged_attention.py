@@ -1,0 +1,127 @@
+"""Decode attention over the paged KV cache in Gaudi's flat form, as plain tensor ops.
+
+Both backends call this (no habana_frameworks import here): on a Gaudi the graph compiler fuses
+the gather, matmul, softmax and scatter ops; in emulation they run on the CPU.
+
+The flat form: instead of a [batch, max_blocks] block table, one list of every block of every
+decoding sequence, each entry tagged with its sequence (its group). A bucket fixes the list's
+length; entries past the real blocks are padding, tagged with the group `batch` (one past the
+last sequence) and fully masked, so they change no sequence's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A contiguous scratch tensor of `shape`, reused by every layer and step.
+
+    Layers run one after another, so one buffer per (name, trailing shape) serves them all; it
+    grows to the largest leading size asked for and hands out its first rows. Reusing it spares
+    the multi-megabyte allocation (and, on the CPU, the page faults of fresh memory) that a
+    per-call gather would cost.
+    """
+    key = (name, shape[1:], dtype, str(device))
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.shape[0] < shape[0]:
+        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
+    return buf[: shape[0]]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    block_list: torch.Tensor,
+    block_groups: torch.Tensor,
+    block_bias: torch.Tensor,
+    scale: float,
+    *,
+    soft_cap: float | None = None,
+    alibi: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cast_from_fp8: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One query per sequence against its cached keys and values, the flat form above.
+
+    query [batch, heads, d]; cache [num_blocks, block_size, kv_heads, 2d], each slot's key then
+    its value (grouped-query attention when kv_heads divides heads); block_list [nb] block ids;
+    block_groups [nb] each entry's sequence (`batch`: padding); block_bias [nb, block_size]
+    additive, 0 on slots to attend and -inf elsewhere. Options: `soft_cap` (scores ->
+    cap * tanh(scores / cap)), `alibi` (slopes [heads], key minus query position [nb,
+    block_size]: score += slope * that), `sinks` (one logit per head in every denominator, with
+    no value), `kv_scales` with `cast_from_fp8` (an FP8 cache, dequantized as read).
+
+    The softmax spans all of a sequence's blocks: one max per sequence, block sums added per
+    sequence. Scores and softmax run in float32; returns [batch, heads, d] in the query's dtype,
+    zeros for a sequence with no slot to attend.
+    """
+    bsz, h, d = query.shape
+    hk, block_size = cache.shape[2], cache.shape[1]
+    g = h // hk
+    nb = block_list.numel()
+    device = query.device
+    # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
+    kv = workspace("decode_kv", (nb, *cache.shape[1:]), cache.dtype, device)
+    torch.index_select(cache, 0, block_list, out=kv)
+    if kv_scales is not None:
+        assert cast_from_fp8 is not None, "an FP8 cache needs the backend's cast_from_fp8"
+        fkv = workspace("decode_kv_dequant", kv.shape, torch.float32, device)
+        fkv[..., :d] = cast_from_fp8(kv[..., :d], kv_scales[0], torch.float32)
+        fkv[..., d:] = cast_from_fp8(kv[..., d:], kv_scales[1], torch.float32)
+        kv = fkv
+    elif kv.dtype != torch.float32:
+        kv = kv.float()
+    # Each block gets its sequence's query (pre-scaled); padding entries read an extra zero row.
+    q_ext = torch.zeros(bsz + 1, h, d, dtype=torch.float32, device=device)
+    torch.mul(query, scale, out=q_ext[:bsz])
+    qb = q_ext.index_select(0, block_groups).view(nb, hk, g, d)
+    # Per KV head, one batched matmul over strided views of the gathered blocks (no copies).
+    scores = torch.empty(hk, nb, g, block_size, device=device)
+    for k in range(hk):
+        torch.bmm(qb[:, k], kv[:, :, k, :d].transpose(1, 2), out=scores[k])
+    if soft_cap is not None:
+        scores.div_(soft_cap).tanh_().mul_(soft_cap)
+    if alibi is not None:
+        slopes, rel = alibi
+        scores += slopes.to(device).view(hk, 1, g, 1) * rel[None, :, None, :].float()
+    scores += block_bias[:, None, :]
+    # Softmax over each sequence's blocks: a shared max per sequence, sums added per group.
+    block_max = scores.amax(dim=-1)  # [hk, nb, g]
+    seq_max = torch.full((hk, bsz + 1, g), float("-inf"), device=device)
+    seq_max.scatter_reduce_(1, block_groups[None, :, None].expand(hk, nb, g), block_max, "amax")
+    sink = None
+    if sinks is not None:
+        sink = sinks.float().view(hk, 1, g)
+        seq_max = torch.maximum(seq_max, sink)
+    seq_max.nan_to_num_(neginf=0.0)
+    scores -= seq_max.index_select(1, block_groups)[..., None]
+    probs = scores.exp_()
+    denom = torch.zeros(hk, bsz + 1, g, device=device)
+    denom.index_add_(1, block_groups, probs.sum(dim=-1))
+    if sink is not None:
+        denom += (sink - seq_max).exp()
+    block_out = torch.empty(hk, nb, g, d, device=device)
+    for k in range(hk):
+        torch.bmm(probs[k], kv[:, :, k, d:], out=block_out[k])
+    num = torch.zeros(hk, bsz + 1, g, d, device=device).index_add_(1, block_groups, block_out)
+    out = num[:, :bsz] / denom[:, :bsz, :, None].clamp_min(1e-30)  # [hk, bsz, g, d]
+    return out.permute(1, 0, 2, 3).reshape(bsz, h, d).to(query.dtype)
+
+
+def drop_padding_entries(
+    batch: int, block_list: torch.Tensor, block_groups: torch.Tensor, *per_entry: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The flat block list without its padding entries (group `batch`), and the same entries of
+    every other per-entry tensor. The result depends on the data, so only an eager backend (the
+    emulation) can use it; on a Gaudi the bucket's static length is what lets a graph replay."""
+    used = block_groups < batch
+    if bool(used.all()):
+        return (block_list, block_groups, *per_entry)
+    keep = used.nonzero().squeeze(1)
+    return tuple(t.index_select(0, keep) for t in (block_list, block_groups, *per_entry))
