@@ -115,8 +115,8 @@ def test_a_list_without_padding_is_passed_through_unchanged():
 
 
 def test_the_gather_workspace_grows_and_is_reused_across_list_lengths():
-    small = paged_attention.workspace("test_ws", (3, 4), torch.float32, "cpu")
-    big = paged_attention.workspace("test_ws", (5, 4), torch.float32, "cpu")
-    again = paged_attention.workspace("test_ws", (2, 4), torch.float32, "cpu")
-    assert small.shape == (3, 4) and big.shape == (5, 4) and again.shape == (2, 4)
+    small = paged_attention.workspace("test_ws", (2, 3, 4), torch.float32, "cpu")
+    big = paged_attention.workspace("test_ws", (2, 5, 4), torch.float32, "cpu")
+    again = paged_attention.workspace("test_ws", (2, 2, 4), torch.float32, "cpu")
+    assert small.shape == (2, 3, 4) and big.shape == (2, 5, 4) and again.shape == (2, 2, 4)
     assert again.data_ptr() == big.data_ptr() and again.is_contiguous()

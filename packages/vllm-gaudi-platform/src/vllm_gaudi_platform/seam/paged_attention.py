@@ -11,6 +11,7 @@ last sequence) and fully masked, so they change no sequence's result.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -21,16 +22,17 @@ _WORKSPACE: dict[tuple, torch.Tensor] = {}
 def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A contiguous scratch tensor of `shape`, reused by every layer and step.
 
-    Layers run one after another, so one buffer per (name, trailing shape) serves them all; it
-    grows to the largest leading size asked for and hands out its first rows. Reusing it spares
-    the multi-megabyte allocation (and, on the CPU, the page faults of fresh memory) that a
-    per-call gather would cost.
+    Layers run one after another, so one buffer per name serves them all: it grows to the largest
+    size asked for and is viewed as the shape of the call. Reusing it spares the multi-megabyte
+    allocation (and, on the CPU, the page faults of fresh memory) that a per-call gather would
+    cost.
     """
-    key = (name, shape[1:], dtype, str(device))
+    key = (name, dtype, str(device))
+    numel = math.prod(shape)
     buf = _WORKSPACE.get(key)
-    if buf is None or buf.shape[0] < shape[0]:
-        buf = _WORKSPACE[key] = torch.empty(shape, dtype=dtype, device=device)
-    return buf[: shape[0]]
+    if buf is None or buf.numel() < numel:
+        buf = _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
 
 
 def paged_decode(
@@ -66,25 +68,27 @@ def paged_decode(
     g = h // hk
     nb = block_list.numel()
     device = query.device
-    # [nb, block_size, hk, 2d], gathered into a buffer kept across layers and steps
-    kv = workspace("decode_kv", (nb, *cache.shape[1:]), cache.dtype, device)
-    torch.index_select(cache, 0, block_list, out=kv)
+    # Keys and values of each KV head gathered into their own contiguous [nb, block_size, d]
+    # buffers, kept across layers and steps: the batched matmuls below then read unit-stride
+    # matrices (on a CPU, 4-5x faster than strided views of one gathered [.., hk, 2d] block).
+    kbuf = workspace("decode_k", (hk, nb, block_size, d), cache.dtype, device)
+    vbuf = workspace("decode_v", (hk, nb, block_size, d), cache.dtype, device)
+    for k in range(hk):
+        torch.index_select(cache[:, :, k, :d], 0, block_list, out=kbuf[k])
+        torch.index_select(cache[:, :, k, d:], 0, block_list, out=vbuf[k])
     if kv_scales is not None:
         assert cast_from_fp8 is not None, "an FP8 cache needs the backend's cast_from_fp8"
-        fkv = workspace("decode_kv_dequant", kv.shape, torch.float32, device)
-        fkv[..., :d] = cast_from_fp8(kv[..., :d], kv_scales[0], torch.float32)
-        fkv[..., d:] = cast_from_fp8(kv[..., d:], kv_scales[1], torch.float32)
-        kv = fkv
-    elif kv.dtype != torch.float32:
-        kv = kv.float()
+        keys = cast_from_fp8(kbuf, kv_scales[0], torch.float32)
+        values = cast_from_fp8(vbuf, kv_scales[1], torch.float32)
+    else:
+        keys, values = kbuf.float(), vbuf.float()  # no copy when the cache is float32
     # Each block gets its sequence's query (pre-scaled); padding entries read an extra zero row.
     q_ext = torch.zeros(bsz + 1, h, d, dtype=torch.float32, device=device)
     torch.mul(query, scale, out=q_ext[:bsz])
-    qb = q_ext.index_select(0, block_groups).view(nb, hk, g, d)
-    # Per KV head, one batched matmul over strided views of the gathered blocks (no copies).
+    qb = q_ext.index_select(0, block_groups).view(nb, hk, g, d).transpose(0, 1).contiguous()
     scores = torch.empty(hk, nb, g, block_size, device=device)
     for k in range(hk):
-        torch.bmm(qb[:, k], kv[:, :, k, :d].transpose(1, 2), out=scores[k])
+        torch.bmm(qb[k], keys[k].transpose(1, 2), out=scores[k])
     if soft_cap is not None:
         scores.div_(soft_cap).tanh_().mul_(soft_cap)
     if alibi is not None:
@@ -108,7 +112,7 @@ def paged_decode(
         denom += (sink - seq_max).exp()
     block_out = torch.empty(hk, nb, g, d, device=device)
     for k in range(hk):
-        torch.bmm(probs[k], kv[:, :, k, d:], out=block_out[k])
+        torch.bmm(probs[k], values[k], out=block_out[k])
     num = torch.zeros(hk, bsz + 1, g, d, device=device).index_add_(1, block_groups, block_out)
     out = num[:, :bsz] / denom[:, :bsz, :, None].clamp_min(1e-30)  # [hk, bsz, g, d]
     return out.permute(1, 0, 2, 3).reshape(bsz, h, d).to(query.dtype)
