@@ -237,11 +237,6 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     # --- attention (attention.py) --------------------------------------------------------------
     Upstream(
-        "vllm.v1.attention.backend:AttentionMetadataBuilder._init_reorder_batch_threshold",
-        "HPUAttentionMetadataBuilder puts decodes first",
-        params=("reorder_batch_threshold", "supports_spec_as_decode"),
-    ),
-    Upstream(
         "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
         "HPUAttentionImpl reads layer._k_scale/_v_scale for the FP8 KV cache",
         mentions=("_k_scale", "_v_scale"),

@@ -244,12 +244,13 @@ def window_blocks(window: int, block_size: int) -> int:
 
 
 class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
-    reorder_batch_threshold: int | None = 1
+    # No batch reordering: the step layout takes each part's requests wherever they sit in the
+    # batch (step_layout.plan_step), so vLLM's decodes-first sort would only cost host time.
+    reorder_batch_threshold: int | None = None
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
-        self._init_reorder_batch_threshold(1, supports_spec_as_decode=False)
 
     def build(
         self,

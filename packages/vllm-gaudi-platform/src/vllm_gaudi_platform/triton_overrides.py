@@ -30,15 +30,20 @@ def compute_slot_mapping(
     if TOTAL_CP_WORLD_SIZE != 1:
         raise NotImplementedError("Context parallelism is not supported on HPU.")
     num_reqs = query_start_loc.numel() - 1
-    device = slot_mapping.device
-    counts = (query_start_loc[1:] - query_start_loc[:-1]).to(torch.int64)
-    # Requests' tokens are contiguous from index 0, so token i belongs to request req_of_token[i].
-    req_of_token = torch.repeat_interleave(torch.arange(num_reqs, device=device), counts)
-    n = req_of_token.numel()
-    pos = positions[:n].to(torch.int64)
+    # Requests' tokens are contiguous from index 0: token i belongs to the request whose range
+    # [start, end) holds it, the first whose end exceeds i (a request with no tokens has an
+    # empty range and owns none). One search, no host sync for the output size.
+    tokens = torch.arange(num_tokens, device=slot_mapping.device, dtype=query_start_loc.dtype)
+    req_of_token = torch.searchsorted(query_start_loc[1:], tokens, right=True)
+    pos = positions[:num_tokens].to(torch.int64)
     table = block_table.view(-1)[: num_reqs * block_table_stride].view(num_reqs, -1)
-    blocks = table[req_of_token, pos // KV_CACHE_BLOCK_SIZE].to(torch.int64)
-    slot_mapping[:n] = blocks * KV_CACHE_BLOCK_SIZE + pos % KV_CACHE_BLOCK_SIZE
+    blocks = table[req_of_token, pos // KV_CACHE_BLOCK_SIZE]
+    torch.add(
+        pos % KV_CACHE_BLOCK_SIZE,
+        blocks,
+        alpha=KV_CACHE_BLOCK_SIZE,
+        out=slot_mapping[:num_tokens],
+    )
     slot_mapping[num_tokens:max_num_tokens] = PAD_ID
 
 
