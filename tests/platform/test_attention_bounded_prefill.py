@@ -214,7 +214,7 @@ def test_windowed_decode_block_count_comes_from_bucket_and_window(attention):
         block_size=BLOCK,
         device=torch.device("cpu"),
     )
-    blocks, groups, bias = md.decode_blocks_for(20, 4)
+    blocks, groups, bias = md.decode_blocks_for(20, 4, BLOCK)
     assert blocks.shape == (4 * attention.window_blocks(20, BLOCK),)  # 12 of 24
     # Kept: the blocks holding positions 130..149 and 180..199, and sequence 0's only block.
     kept = {(int(g), int(b)) for g, b in zip(groups, blocks) if g < 4}

@@ -28,7 +28,6 @@ be captured separately for its packed and its one-sequence-per-row variants.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -119,7 +118,7 @@ class HPUAttentionMetadata:
     # decode part (None when the step has none)
     decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
     decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
-    decode_block_bias: torch.Tensor | None = None  # [num_blocks_bucket, block_size] 0 / -inf
+    decode_block_usage: torch.Tensor | None = None  # [num_blocks_bucket] used slots (0: padding)
     # Absolute positions (masks are built per slice, per window, from these)
     prefill_q_pos: torch.Tensor | None = None  # [rows, q_bucket]
     prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
@@ -128,7 +127,8 @@ class HPUAttentionMetadata:
     # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
     # decode pass's own metadata, each laid out over its own tokens only.
     parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
-    # Per (part, window): the narrowed gather of that window, built on first use.
+    # Per (part, window): the narrowed gather of that window, built on first use; ("decode", 0)
+    # holds the unwindowed decode slot bias, built from decode_block_usage.
     _windowed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -192,45 +192,53 @@ class HPUAttentionMetadata:
         return mask[:, None]
 
     def decode_blocks_for(
-        self, window: int | None, batch_bucket: int
+        self, window: int | None, batch_bucket: int, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Block list, block groups and slot bias of the decode part for a layer with `window`.
 
-        With a window, blocks wholly behind it are dropped: the list keeps
-        `batch_bucket * window_blocks(window, block_size)` entries (or the bucket's count if
-        smaller), the blocks that reach into some sequence's window first, padding after; the
-        slot bias is -inf also on slots `window` or more positions behind the query.
+        The slot bias [entries, block_size] is 0 on a block's used slots and -inf past them: it
+        is built on the device from the per-block usage, once per step (the host sends one
+        integer per block, not a row of floats). With a window, blocks wholly behind it are
+        dropped: the list keeps `batch_bucket * window_blocks(window, block_size)` entries (or
+        the bucket's count if smaller), the blocks that reach into some sequence's window first,
+        padding after; the slot bias is -inf also on slots `window` or more positions behind the
+        query.
         """
-        blocks, groups, bias = (
+        blocks, groups, usage = (
             self.decode_block_list,
             self.decode_block_groups,
-            self.decode_block_bias,
+            self.decode_block_usage,
         )
-        assert blocks is not None and groups is not None and bias is not None
+        assert blocks is not None and groups is not None and usage is not None
+        key = ("decode", window or 0)
+        if key in self._windowed:
+            return self._windowed[key]
+        slot = torch.arange(block_size, device=usage.device)
         if window is None:
-            return blocks, groups, bias
-        key = ("decode", window)
-        if key not in self._windowed:
-            assert self.decode_block_start is not None and self.decode_query_pos is not None
-            nb, block_size = bias.shape
-            slot = torch.arange(block_size, device=bias.device)
-            pos = self.decode_block_start[:, None] + slot[None, :]
-            far = self.decode_query_pos[:, None] - pos >= window
-            bias = bias.masked_fill(far, float("-inf"))
-            keep = min(nb, batch_bucket * window_blocks(window, block_size))
-            if keep < nb:
-                # A block reaches into the window iff some used slot is not behind it; each
-                # sequence has at most window_blocks such blocks, so `keep` holds them all.
-                # Stable order puts them first; the rest of the kept entries are padding or
-                # blocks whose slots the bias masks anyway.
-                inside = (bias > float("-inf")).any(dim=1) & (groups < batch_bucket)
-                order = torch.argsort((~inside).to(torch.int8), stable=True)[:keep]
-                blocks, groups, bias = blocks[order], groups[order], bias[order]
-                # Padding entries that survive the cut: no group, every slot masked.
-                pad = ~inside[order]
-                groups = groups.masked_fill(pad, batch_bucket)
-                bias = bias.masked_fill(pad[:, None], float("-inf"))
+            bias = torch.zeros(usage.numel(), block_size, device=usage.device)
+            bias.masked_fill_(slot[None, :] >= usage[:, None], float("-inf"))
             self._windowed[key] = (blocks, groups, bias)
+            return self._windowed[key]
+        _, _, bias = self.decode_blocks_for(None, batch_bucket, block_size)
+        assert self.decode_block_start is not None and self.decode_query_pos is not None
+        nb = bias.shape[0]
+        pos = self.decode_block_start[:, None] + slot[None, :]
+        far = self.decode_query_pos[:, None] - pos >= window
+        bias = bias.masked_fill(far, float("-inf"))
+        keep = min(nb, batch_bucket * window_blocks(window, block_size))
+        if keep < nb:
+            # A block reaches into the window iff some used slot is not behind it; each
+            # sequence has at most window_blocks such blocks, so `keep` holds them all.
+            # Stable order puts them first; the rest of the kept entries are padding or
+            # blocks whose slots the bias masks anyway.
+            inside = (bias > float("-inf")).any(dim=1) & (groups < batch_bucket)
+            order = torch.argsort((~inside).to(torch.int8), stable=True)[:keep]
+            blocks, groups, bias = blocks[order], groups[order], bias[order]
+            # Padding entries that survive the cut: no group, every slot masked.
+            pad = ~inside[order]
+            groups = groups.masked_fill(pad, batch_bucket)
+            bias = bias.masked_fill(pad[:, None], float("-inf"))
+        self._windowed[key] = (blocks, groups, bias)
         return self._windowed[key]
 
 
@@ -406,14 +414,7 @@ def build_metadata(
         cell_to_token[base + np.arange(len(members))] = starts[members]
         md.decode_block_list = torch.from_numpy(block_list).to(device)
         md.decode_block_groups = torch.from_numpy(groups).to(device)
-        # Additive bias per block slot: 0 where the slot holds a token, -inf past the block's usage.
-        # Most blocks are full (all zeros): only the partly used ones (each sequence's last block,
-        # the padding entries) get a row of the per-usage table. Comparing the whole [nb,
-        # block_size] grid instead costs milliseconds per step at a 256-sequence batch.
-        bias = np.zeros((nb, block_size), dtype=np.float32)
-        partial = np.flatnonzero(usage < block_size)
-        bias[partial] = _usage_bias_rows(block_size)[usage[partial]]
-        md.decode_block_bias = torch.from_numpy(bias).to(device)
+        md.decode_block_usage = torch.from_numpy(usage).to(device)
         start = np.zeros(nb, dtype=np.int64)
         start[:used] = j * block_size
         query_pos = np.zeros(nb, dtype=np.int64)
@@ -448,16 +449,6 @@ def build_metadata(
             )
         md.parts = (parts[0], parts[1])
     return md
-
-
-@functools.cache
-def _usage_bias_rows(block_size: int) -> np.ndarray:
-    """[block_size + 1, block_size] float32: row u is a block's slot bias when u slots are used
-    (0 on the first u slots, -inf on the rest)."""
-    unused = np.arange(block_size)[None, :] >= np.arange(block_size + 1)[:, None]
-    rows = np.where(unused, np.float32(-np.inf), np.float32(0.0))
-    rows.flags.writeable = False  # shared by every step
-    return rows
 
 
 def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:
@@ -788,7 +779,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
 
     def _decode(self, q, blocks_view, block_size, md, layer=None):
         bsz = md.layout.decode.batch_bucket
-        blocks, groups, bias = md.decode_blocks_for(self.sliding_window, bsz)
+        blocks, groups, bias = md.decode_blocks_for(self.sliding_window, bsz, block_size)
         alibi = None
         if self.alibi_slopes is not None:
             # Blocks are in their unwindowed order here (ALiBi with a window is refused).

@@ -259,7 +259,7 @@ class HPUMLAImpl(MLAAttentionImpl[HPUAttentionMetadata]):
             )
         if layout.decode is not None:
             bsz = layout.decode.batch_bucket
-            blocks, groups, bias = md.decode_blocks_for(None, bsz)
+            blocks, groups, bias = md.decode_blocks_for(None, bsz, block_size)
             out_cells[n_cells : n_cells + bsz] = self.seam.mla_paged_decode(
                 q_cells[n_cells : n_cells + bsz], cache, blocks, groups, bias, self.scale, rank
             )
