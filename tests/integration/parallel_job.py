@@ -80,14 +80,21 @@ def held_experts(worker) -> list[dict]:
     return layers
 
 
-def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> dict:
+def run_engine(
+    job: dict, prompts: list[list[int]], between=None, trace: str | None = None, **engine
+) -> dict:
     """One engine: its outputs, every worker's recompile stats and the seconds it took.
     `between(stage)` is called after generating ("generated") and before shutting the engine
-    down ("done"): the DP ranks meet there."""
+    down ("done"): the DP ranks meet there. With `trace`, the workers record their step shapes
+    to that file (VLLM_BUCKETING_RECORD_TRACE) and the result holds its lines."""
     import gc
 
     from vllm import LLM
 
+    if trace:
+        os.environ["VLLM_BUCKETING_RECORD_TRACE"] = trace
+    else:
+        os.environ.pop("VLLM_BUCKETING_RECORD_TRACE", None)
     start = time.perf_counter()
     llm = LLM(model=job["model"], **job["engine"], **engine)
     started = time.perf_counter() - start
@@ -107,6 +114,10 @@ def run_engine(job: dict, prompts: list[list[int]], between=None, **engine) -> d
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+    if trace:
+        os.environ.pop("VLLM_BUCKETING_RECORD_TRACE", None)
+        with open(trace, encoding="utf-8") as f:
+            result["trace"] = sorted(line for line in f if not line.startswith("#"))
     return result
 
 
@@ -207,10 +218,11 @@ def main(job: dict) -> None:
         run_engine(job, [job["prompts"][i] for i in share], between=between)
         return
     for case in job["cases"]:
+        trace = os.path.join(job["trace_dir"], f"{case}.trace") if "trace_dir" in job else None
         if case == "single":
-            result = run_engine(job, job["prompts"])
+            result = run_engine(job, job["prompts"], trace=trace)
         elif case == "pp2":
-            result = run_engine(job, job["prompts"], pipeline_parallel_size=2)
+            result = run_engine(job, job["prompts"], trace=trace, pipeline_parallel_size=2)
         elif case == "dp2":
             result = run_dp(job)
         elif case == "dp2ep":  # experts split between the DP ranks

@@ -30,13 +30,15 @@ CASES = ("single", "pp2", "dp2ep")
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
+def results(tmp_path_factory) -> dict:
     job = {
         "model": str(tinymodels.build("mixtral")),
         "prompts": make_prompts()[:8],
         "max_tokens": 8,
         "engine": {**ENGINE, "max_num_seqs": 8},
         "cases": CASES,
+        # The single-process and PP runs record their step shapes (VLLM_BUCKETING_RECORD_TRACE).
+        "trace_dir": str(tmp_path_factory.mktemp("traces")),
     }
     # The job inspects the workers' MoE layers with a function sent over collective_rpc.
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
@@ -60,6 +62,21 @@ def test_greedy_tokens_equal_the_single_process_run(results, case):
 def test_pipeline_parallelism_runs_two_stages(results):
     # One recompile report per worker: two pipeline stages.
     assert len(results["pp2"]["stats"]) == 2
+
+
+def _traced_decode_tokens(trace: list[str]) -> int:
+    """Decode tokens a trace counts: batch x count over its 'decode batch blocks count' lines."""
+    fields = [line.split() for line in trace]
+    return sum(int(f[1]) * int(f[3]) for f in fields if f[0] == "decode")
+
+
+@pytest.mark.parametrize("case", ["single", "pp2"])
+def test_the_trace_counts_every_decode_step_once(results, case):
+    # Both pipeline stages run every step; only the first records it. Each request's first token
+    # comes from its prefill step, every other from one decode step (ignore_eos: no early stop).
+    expected = sum(len(o["tokens"]) - 1 for o in results[case]["outputs"])
+    assert expected > 0
+    assert _traced_decode_tokens(results[case]["trace"]) == expected
 
 
 def test_data_parallelism_runs_two_ranks(results):

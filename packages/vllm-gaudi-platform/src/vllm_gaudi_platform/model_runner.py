@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from vllm.config import CUDAGraphMode, VllmConfig
-from vllm.distributed.parallel_state import get_dp_group, get_pp_group
+from vllm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
 from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
@@ -198,7 +198,9 @@ class HPUModelRunner(GPUModelRunner):
         self.step_metrics = hpu_metrics.StepMetrics(hpu_metrics.worker_channel(vllm_config))
         self.trace_recorder: TraceRecorder | None = None
         trace_path = (envs.get_raw(envs.VLLM_BUCKETING_RECORD_TRACE) or "").strip()
-        if trace_path:
+        # Every tensor- and pipeline-parallel rank runs the same steps: the first of them records
+        # (each data-parallel rank runs its own steps, and records them).
+        if trace_path and get_tp_group().rank_in_group == 0 and get_pp_group().rank_in_group == 0:
             self.trace_recorder = TraceRecorder(
                 trace_path,
                 block_size=self.block_size,

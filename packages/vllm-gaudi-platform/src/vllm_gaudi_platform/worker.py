@@ -238,4 +238,6 @@ class HPUWorker(Worker):
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.finalize_calibration()
+            if runner.trace_recorder is not None:
+                runner.trace_recorder.close()  # the steps since the last periodic flush
         super().shutdown()
