@@ -9,6 +9,8 @@ absolute in float32, 3e-2 absolute in bfloat16 (outputs are of magnitude ~1).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -467,6 +469,27 @@ def test_apply_monolithic_routes_then_runs_the_experts(emulated, vllm_config, as
 
     weights, ids = cpu_router.select_experts(x, logits, 2, False, True)
     assert_matches(out, _vllm_cpu_moe(x, w13, w2, weights, ids), **MOE_TOLERANCE[torch.float32])
+
+
+def test_apply_monolithic_hands_the_routed_experts_to_vllms_sink(emulated, vllm_config):
+    # vLLM binds a sink (buffer + callback) to each MoE layer when a caller asks which experts
+    # every token went to; its own monolithic kernels fill it, and so must the HPU method.
+    method = HpuUnquantizedFusedMoEMethod(_config(8, 2, torch.float32))
+    method._forward_method = method.forward_oot
+    w13, w2 = _weights(8, torch.float32)
+    layer = _layer(method, w13, w2)
+    captures: list[torch.Tensor] = []
+    layer.routing_sink = SimpleNamespace(
+        buffer=torch.full((16, 2), -1, dtype=torch.int16), capture_fn=captures.append
+    )
+    gen = torch.Generator().manual_seed(9)
+    x, logits = torch.randn(5, HIDDEN, generator=gen), torch.randn(5, 8, generator=gen)
+
+    method.apply_monolithic(layer, x, logits)
+
+    _, ids = cpu_router.select_experts(x, logits, 2, False, True)
+    assert len(captures) == 1 and captures[0].shape == (5, 2)
+    assert torch.equal(captures[0].long().sort(-1).values, ids.long().sort(-1).values)
 
 
 def _sorted_by_expert(weights, ids):

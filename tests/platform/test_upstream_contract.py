@@ -235,6 +235,12 @@ UPSTREAM: tuple[Upstream, ...] = (
         "the _gemm_impl HPUModelRunner installs takes the same arguments",
         params=("layer", "x", "weight", "bias"),
     ),
+    Upstream(
+        "vllm.model_executor.layers.fused_moe.routed_experts_capturer:RoutedExpertsSink.__init__",
+        "routed_experts.capture_routed_experts fills the layer's sink buffer, then calls it",
+        params=("moe_config", "capture_fn"),
+        mentions=("buffer", "capture_fn"),
+    ),
     # --- attention (attention.py) --------------------------------------------------------------
     Upstream(
         "vllm.model_executor.layers.attention.attention:set_default_quant_scales",

@@ -22,7 +22,7 @@ import pytest
 from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
-import json, socket, sys
+import json, socket, sys, types
 import torch
 import torch.nn.functional as F
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -140,9 +140,15 @@ def run(name):
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(9, HIDDEN, generator=gen)
     logits = torch.randn(9, EXPERTS, generator=gen)
+    # vLLM's routed-experts capture: a sink bound to the layer, filled by a monolithic method.
+    captures = []
+    layer.routing_sink = types.SimpleNamespace(
+        buffer=torch.full((16, TOPK), -1, dtype=torch.int16), capture_fn=captures.append
+    )
     with torch.no_grad():
         got = method.apply_monolithic(layer, x, logits)
         want = reference(x, logits, deq)
+    routed = logits.softmax(-1).topk(TOPK, dim=-1).indices
     static = {}
     if getattr(layer, "w13_input_scale", None) is not None:
         # What each expert's checkpoint input scales were (load() seeds: 10 * e, 10 * e + 1).
@@ -160,6 +166,8 @@ def run(name):
         "max_err": float((got - want).abs().max()),
         "scale": float(want.abs().max()),
         "close": bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4)),
+        "captured": [c.long().sort(-1).values.tolist() for c in captures],
+        "routed": routed.sort(-1).values.tolist(),
     }
 
 def error_of(fn):
@@ -241,6 +249,12 @@ def test_experts_are_repacked_into_the_uint4_kernel_layout(moe_result, case):
 def test_4bit_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
     r = moe_result[case]
     assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
+
+
+@pytest.mark.parametrize("case", CASES + FP8_CASES + FP8_FORMAT_CASES)
+def test_the_moe_method_hands_each_tokens_experts_to_vllms_routing_sink(moe_result, case):
+    r = moe_result[case]
+    assert r["captured"] == [r["routed"]], "one capture per call, the top-k experts of each token"
 
 
 def test_act_order_experts_whose_gate_and_up_disagree_are_refused_by_name(moe_result):

@@ -26,6 +26,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from vllm_gaudi_ops import stats
+from vllm_gaudi_platform.routed_experts import capture_routed_experts
 from vllm_gaudi_platform.seam import backend
 
 FAMILY = "moe"
@@ -217,11 +218,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         topk_weights, topk_ids = route(layer, x, router_logits)
-        sink = getattr(layer, "routing_sink", None)
-        if sink is not None:  # routed-experts capture, as vLLM's monolithic kernels do it
-            captured = sink.buffer[: topk_ids.shape[0]]
-            captured.copy_(topk_ids)
-            sink.capture_fn(captured)
+        capture_routed_experts(layer, topk_ids)
         return self.apply(layer, x, topk_weights, topk_ids, None, None)
 
     def forward_oot(

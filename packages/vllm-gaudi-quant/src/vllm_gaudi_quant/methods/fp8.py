@@ -54,6 +54,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_gaudi_platform.routed_experts import capture_routed_experts
 from vllm_gaudi_platform.seam import backend
 
 logger = init_logger(f"vllm.{__name__}")
@@ -588,6 +589,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         weights, ids = route_topk(layer, x, router_logits)
+        capture_routed_experts(layer, ids)
         dtype = x.dtype
         w13 = self._dequantized(layer, "w13", dtype)
         w2 = self._dequantized(layer, "w2", dtype)

@@ -30,6 +30,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform import seam
+from vllm_gaudi_platform.routed_experts import capture_routed_experts
 
 PACK = 8  # 4-bit values per int32 word
 # AWQ's GEMM checkpoints interleave columns inside a word: nibble i holds column 8j + AWQ_ORDER[i].
@@ -261,11 +262,7 @@ class Uint4MoEMethod(FusedMoEMethodBase):
         from vllm_gaudi_quant.methods.fp8 import route_topk
 
         weights, ids = route_topk(layer, x, router_logits)
-        sink = getattr(layer, "routing_sink", None)
-        if sink is not None:  # routed-experts capture, as vLLM's monolithic kernels do it
-            captured = sink.buffer[: ids.shape[0]]
-            captured.copy_(ids)
-            sink.capture_fn(captured)
+        capture_routed_experts(layer, ids)
         num_local = layer.local_num_experts
         expert_map = layer.expert_map
         if expert_map is not None:
