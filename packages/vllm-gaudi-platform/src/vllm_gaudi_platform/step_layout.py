@@ -175,8 +175,8 @@ def split_mixed(layout: StepLayout) -> StepLayout:
     On a Gaudi a mixed step run as ONE forward pass is a shape no bucket covers: the model's
     layers see prefill cells plus decode cells, a sum warmup never ran. Run as a prefill pass and
     a decode pass, each is exactly a warmed bucket (and replays its HPU graph). A part's pass
-    reads its requests' tokens gathered in the part's order; vLLM usually puts the decodes first,
-    but a prompt's one-token last chunk is a decode here and may sit among the prefills.
+    reads its requests' tokens gathered in the part's order: the batch is not sorted (the
+    attention builder asks vLLM for no reordering), so prefills and decodes may interleave.
     Returns `layout` unchanged when it has one part only.
     """
     prefill, decode = layout.prefill, layout.decode
