@@ -195,6 +195,29 @@ def test_paged_decode_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+def test_a_decode_only_step_lays_its_cells_out_in_token_order():
+    from vllm_gaudi_platform.attention import build_metadata
+
+    lens = [3, 20, 33]
+    layout = step_layout.plan_step(
+        query_lens=[1, 1, 1], seq_lens=lens, block_size=BLOCK, plan=_plan(decode=[(4, 1, 8)])
+    )
+    md = build_metadata(
+        layout=layout,
+        seq_lens=lens,
+        block_table=torch.arange(1, 1 + 3 * 4, dtype=torch.int32).view(3, 4),
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+    assert md.identity_layout  # no permutation of q, k, v or the output
+    assert md.cell_to_token.tolist() == md.token_to_cell.tolist() == [0, 1, 2, 3]
+    # Blocks of each sequence in order (1, 2 and 3 blocks), then padding entries.
+    assert md.decode_block_list.tolist() == [1, 5, 6, 9, 10, 11, 0, 0]
+    assert md.decode_block_groups.tolist() == [0, 1, 1, 2, 2, 2, 4, 4]
+    assert md.decode_block_usage.tolist() == [3, 16, 4, 16, 16, 1, 0, 0]
+
+
 def test_mixed_prefill_and_decode_step_matches_reference():
     plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
     out, ref, layout = _run([1, 1, 9, 20], [15, 30, 0, 17], plan)

@@ -319,7 +319,7 @@ def build_metadata(
     starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=starts[1:])
     total = layout.num_tokens_padded
-    table = block_table.numpy() if block_table.dtype == torch.int64 else block_table.long().numpy()
+    table = block_table.numpy()  # block ids (int32 from vLLM), gathered into int64 arrays
     cell_to_token = np.full(total, -1, dtype=np.int64)
 
     md = HPUAttentionMetadata(
@@ -411,7 +411,8 @@ def build_metadata(
         usage = np.zeros(nb, dtype=np.int64)
         usage[:used] = block_size
         usage[np.cumsum(n_blk) - 1] = lens - (n_blk - 1) * block_size
-        cell_to_token[base + np.arange(len(members))] = starts[members]
+        if prefill is not None:  # decode only: the cells are the tokens (set below)
+            cell_to_token[base + np.arange(len(members))] = starts[members]
         md.decode_block_list = torch.from_numpy(block_list).to(device)
         md.decode_block_groups = torch.from_numpy(groups).to(device)
         md.decode_block_usage = torch.from_numpy(usage).to(device)
@@ -422,14 +423,20 @@ def build_metadata(
         md.decode_block_start = torch.from_numpy(start).to(device)
         md.decode_query_pos = torch.from_numpy(query_pos).to(device)
 
-    # Padding cells take the padding token indices at the tail, in order: a permutation.
-    free = cell_to_token < 0
-    cell_to_token[free] = np.arange(int(starts[-1]), total)
-    token_to_cell = np.empty_like(cell_to_token)
-    token_to_cell[cell_to_token] = np.arange(total)
-    md.identity_layout = bool((cell_to_token == np.arange(total)).all())
-    md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
-    md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
+    if prefill is None:
+        # Decode only: every request is a decode member, in batch order, and the padding cells
+        # follow, so cell i is token i.
+        cells = torch.arange(total, device=device)
+        md.identity_layout, md.cell_to_token, md.token_to_cell = True, cells, cells
+    else:
+        # Padding cells take the padding token indices at the tail, in order: a permutation.
+        free = cell_to_token < 0
+        cell_to_token[free] = np.arange(int(starts[-1]), total)
+        token_to_cell = np.empty_like(cell_to_token)
+        token_to_cell[cell_to_token] = np.arange(total)
+        md.identity_layout = bool((cell_to_token == np.arange(total)).all())
+        md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
+        md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
     if layout.parts is not None:
         split = layout.parts
         parts = []
