@@ -53,6 +53,37 @@ def test_linear_takes_non_contiguous_operands_and_an_empty_batch(assert_matches)
     assert emulated.linear(torch.empty(0, 96), weight).shape == (0, 80)
 
 
+ISA_CHECK = """
+import torch
+from vllm_gaudi_platform.seam import emulated
+torch.manual_seed(0)
+worst = 0.0
+for rows in (1, 8, 33, 512):
+    x, w, b = torch.randn(rows, 256), torch.randn(192, 256), torch.randn(192)
+    ref = x.double() @ w.double().t() + b.double()
+    error = (emulated.linear(x, w, b).double() - ref).abs().max() / ref.abs().max()
+    worst = max(worst, error.item())
+print("ISA", torch.backends.cpu.get_cpu_capability(), worst)
+"""
+
+
+@pytest.mark.parametrize("isa", ["AVX2", "machine default"])
+def test_linear_on_onednn_matches_the_formula_on_avx2_and_on_the_machines_own_kernels(
+    isa, run_python
+):
+    # The emulated float32 linear runs oneDNN, whose kernels (and rounding) follow the CPU: an
+    # AVX-512 machine runs other kernels than an AVX2 one. Both are checked here: capped to AVX2
+    # (what every CI machine has), and uncapped (AVX-512 where the machine has it).
+    env = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"} if isa == "AVX2" else {}
+    result = run_python(ISA_CHECK, env)
+    line = [x for x in result.stdout.splitlines() if x.startswith("ISA ")]
+    assert line, result.stderr[-3000:]
+    _, capability, worst = line[0].split()
+    if isa == "AVX2":
+        assert capability == "AVX2"
+    assert float(worst) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 7, 64), (3, 5, 128)])
 def test_rms_norm_matches_the_formula(dtype, shape, assert_matches):

@@ -141,7 +141,7 @@ def registry(monkeypatch):
             cls,
             lambda *a, _o=original, **k: _o(*a, registry=fresh, **k),
         )
-    monkeypatch.setattr(stat_logger, "_on_hpu", lambda: True)
+    monkeypatch.setattr(stat_logger, "hpu_platform_active", lambda: True)
     return fresh
 
 
@@ -192,7 +192,7 @@ def test_the_stat_logger_publishes_the_worker_counters_as_vllm_metrics(registry,
 def test_the_stat_logger_publishes_nothing_off_the_hpu_platform(registry, monkeypatch):
     from vllm_gaudi_platform import stat_logger
 
-    monkeypatch.setattr(stat_logger, "_on_hpu", lambda: False)
+    monkeypatch.setattr(stat_logger, "hpu_platform_active", lambda: False)
     logger = stat_logger.HpuStatLogger(_VllmConfig("off-hpu"), [0])  # type: ignore[arg-type]
     logger.log_engine_initialized()
 

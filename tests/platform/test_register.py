@@ -115,6 +115,7 @@ def test_general_plugin_skips_with_one_log_line_when_platform_is_not_hpu(
     assert calls == []
     lines = [r for r in caplog.records if r.name.startswith("vllm.vllm_gaudi")]
     assert len(lines) == 1
+    assert lines[0].levelno == logging.DEBUG
     assert "hpu_test_skip" in lines[0].getMessage()
     assert "not HPU" in lines[0].getMessage()
 

@@ -86,6 +86,45 @@ def test_the_weights_do_not_depend_on_the_thread_count(
     assert one == two
 
 
+def test_the_weights_do_not_depend_on_the_kernels_the_caller_asks_for(
+    small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A caller whose environment asks for AVX-512 kernels (what an AVX-512 machine runs by
+    # default, and what made its weights differ from an AVX2 machine's) trains the same bytes as
+    # one that asks for AVX2: the training process pins its own kernels. On an AVX-512 machine
+    # both kernel sets exist, so this compares them; on an AVX2-only one both runs are AVX2.
+    asks = {
+        "AVX2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        "AVX512": {
+            "ATEN_CPU_CAPABILITY": "avx512",
+            "MKL_CBWR": "AVX512",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+            "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        },
+    }
+    built = []
+    for isa, env in asks.items():
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            built.append(trainedmodel.build(root=tmp_path / isa, progress=False))
+    avx2, avx512 = ((p / "model.safetensors").read_bytes() for p in built)
+    assert avx2 == avx512
+    assert trainedmodel.metrics(built[1])["kernels"] == trainedmodel.pinned_kernels()
+
+
+def test_training_refuses_to_run_on_other_kernels_than_the_pinned_ones(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    import torch
+
+    pinned = dict(trainedmodel.PINNED_KERNELS_X86)
+    monkeypatch.setattr(trainedmodel, "pinned_kernels", lambda: pinned)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(RuntimeError, match="AVX2 kernels"):
+        trainedmodel._check_pinned_kernels()
+
+
 def test_training_uses_one_thread_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(trainedmodel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.setattr(trainedmodel.os, "getloadavg", lambda: (1.8, 1.0, 1.0))

@@ -16,9 +16,10 @@ into `OVERRIDING_CLASSES` with the methods it adds (every other method must over
 Ledger of the process-wide patches we apply (the patch sites point here)
 -----------------------------------------------------------------------
 1. `torch.accelerator.{empty_cache, empty_host_cache, synchronize}` (platform.py,
-   `_route_torch_accelerator_to_seam`, CPU emulation only). Why: vLLM's shared worker and runner
-   code call torch.accelerator directly in every process; with no torch accelerator (emulation on
-   the CPU) those calls fail, so they are routed to the seam. On a Gaudi, torch's own HPU
+   `_route_torch_accelerator_to_seam`, when vLLM instantiates the platform, CPU emulation only).
+   Why: vLLM's shared worker and runner code call torch.accelerator directly in every process;
+   with no torch accelerator (emulation on the CPU) those calls fail, so they are routed to the
+   seam. On a Gaudi, torch's own HPU
    accelerator answers them and nothing is patched. Can go when vLLM asks the platform
    (`current_platform.synchronize()` / `empty_cache()`) instead of torch.accelerator, or when
    torch.accelerator accepts the CPU as an accelerator.

@@ -1,6 +1,8 @@
 """The `vllm-gaudi` command. One subcommand per job; each is added by an `_add_<name>` function.
 
 Importing this module is cheap (no torch, no vllm): a subcommand imports what it needs when it runs.
+Importing it also keeps known third-party start-up noise off the command's screens
+(`third_party_noise`), in this process and in the engine processes vLLM spawns from it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+
+from vllm_gaudi_platform import third_party_noise
+
+# At import, not in main(): a spawned engine or worker process imports the console script again
+# (as __mp_main__) before anything else, and that is the one moment to install the filters there.
+third_party_noise.silence()
 
 DOCTOR_HELP = "what is installed, what will load under VLLM_PLUGINS, and why"
 DOCTOR_DESCRIPTION = """\

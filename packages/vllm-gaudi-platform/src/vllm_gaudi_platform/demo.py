@@ -28,8 +28,7 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
         print("No Gaudi software found: running the HPU platform in CPU emulation.")
     path = model or str(trainedmodel.build())
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
     from vllm.platforms import current_platform
 
     if type(current_platform).__name__ != "HpuPlatform":
@@ -48,6 +47,22 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
         kv_cache_memory_bytes=64 << 20,
         seed=0,
     )
+    try:
+        _generate(llm, path, dtype, max_tokens, scored_perplexity=model is None)
+    finally:
+        # Stop the engine process before this one exits, so that its end is not reported as an
+        # engine core that "exited unexpectedly".
+        llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity: bool) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    from vllm_gaudi_platform import trainedmodel
+
     prompts = trainedmodel.heldout_prompts()
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
@@ -58,7 +73,7 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
     for out in outputs:
         print(f"  {out.prompt!r} -> {out.outputs[0].text!r}")
 
-    if model is None:
+    if scored_perplexity:
         windows = trainedmodel.heldout_windows(path, PERPLEXITY_WINDOWS, PERPLEXITY_WINDOW_TOKENS)
         scored = llm.generate(
             [TokensPrompt(prompt_token_ids=w) for w in windows],
@@ -77,4 +92,3 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
     print(stats["bucket_plan"])
     print(f"Warmup: {stats['warmup_seconds']:.2f} s")
     print(f"Recompiles after warmup: {stats['recompiles']}")
-    return 0

@@ -19,7 +19,32 @@ logger = init_logger(f"vllm.{__name__}")
 
 # Loggers live under `vllm.` (f"vllm.{__name__}"): vLLM configures handlers for that tree only.
 
-_seam = backend()
+
+class _Seam:
+    """The seam's backend, resolved on first use rather than at import.
+
+    vLLM imports this module in processes where the HPU platform is not (or not yet) the active
+    platform: a stat-logger or general plugin checking which platform is active, `doctor`, a test.
+    Importing it must not raise on a machine with no Gaudi and no emulation; the first attribute
+    read, which happens when the platform is activated, raises `backend()`'s message instead.
+    """
+
+    def __getattr__(self, name: str):
+        return getattr(backend(), name)
+
+
+class _SeamConstant:
+    """Descriptor for a class attribute vLLM reads off the platform (device type, dist backend,
+    compile backend): the seam's constant `name`, read when vLLM reads it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> str:
+        return getattr(backend(), self.name)
+
+
+_seam = _Seam()
 ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"
 # DeepSeek-style multi-head latent attention (MLA) layers.
 MLA_BACKEND_CLS = "vllm_gaudi_platform.mla.HPUMLABackend"
@@ -65,8 +90,9 @@ def _route_torch_accelerator_to_seam() -> None:
     torch.accelerator.synchronize = synchronize
 
 
-if _seam.IS_EMULATED:
-    _route_torch_accelerator_to_seam()
+def _activate(seam) -> None:
+    if seam.IS_EMULATED:
+        _route_torch_accelerator_to_seam()
 
 
 class _RegisteredQuantization:
@@ -83,23 +109,48 @@ class HpuPlatform(Platform):
     device_name: str = "hpu"
     # In emulation the tensors live on the CPU; the platform is still HPU (its worker, runner,
     # attention, bucketing and kernels), only the seam below it differs.
-    device_type: str = _seam.DEVICE_TYPE
-    dispatch_key: str = _seam.DISPATCH_KEY
+    device_type: str = _SeamConstant("DEVICE_TYPE")  # type: ignore[assignment]
+    dispatch_key: str = _SeamConstant("DISPATCH_KEY")  # type: ignore[assignment]
     # vLLM's Ray executor places one worker per Ray "HPU" resource (Ray detects Gaudis itself; a
     # CPU-only cluster must declare them, e.g. `ray start --head --resources='{"HPU": 2}'`) and
     # picks the module by local rank, so Ray must leave HABANA_VISIBLE_MODULES alone.
     ray_device_key: str = "HPU"
     ray_noset_device_env_vars: list[str] = [RAY_NOSET_VISIBLE_MODULES]
-    dist_backend: str = _seam.DIST_BACKEND
+    dist_backend: str = _SeamConstant("DIST_BACKEND")  # type: ignore[assignment]
     device_control_env_var: str = envs.HABANA_VISIBLE_MODULES
-    simple_compile_backend: str = _seam.COMPILE_BACKEND
+    simple_compile_backend: str = _SeamConstant("COMPILE_BACKEND")  # type: ignore[assignment]
     # The methods vllm-gaudi-quant registered in this process, computed at each read. Never an
     # empty list standing for "anything": verify_quantization refuses every other method.
     supported_quantization: list[str] = _RegisteredQuantization()  # type: ignore[assignment]
 
+    def __init__(self) -> None:
+        # vLLM instantiates the platform class once per process, when it resolves
+        # current_platform: that is where the HPU platform is activated, so the backend is
+        # resolved here (raising its reason when there is none) and emulation's process-wide
+        # routing is installed.
+        super().__init__()
+        _activate(backend())
+
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float32]
+
+    @classmethod
+    def validate_environ(cls, hard_fail: bool) -> None:
+        """vLLM's check for misspelt VLLM_* variables, knowing ours: every variable declared in
+        `envs.py` (VLLM_HPU_EMULATION, the bucketing ranges, ...) is a known name, not a warning
+        (or, with hard_fail, an error) about an unknown vLLM variable."""
+        from vllm import envs as vllm_envs
+
+        for name in os.environ:
+            if (
+                name.startswith("VLLM_")
+                and name not in vllm_envs.environment_variables
+                and name not in envs.VARIABLES
+            ):
+                if hard_fail:
+                    raise ValueError(f"Unknown vLLM environment variable detected: {name}")
+                logger.warning("Unknown vLLM environment variable detected: %s", name)
 
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:

@@ -5,7 +5,7 @@ order across wheels, and sometimes more than once. `general_plugin` wraps a whee
 function so that it:
 
 - runs its body at most once per process (idempotent);
-- does nothing but one log line when the active platform is not HPU (real or emulated);
+- does nothing but one DEBUG line when the active platform is not HPU (real or emulated);
 - turns a vLLM outside the supported range into one WARNING naming the version and the range;
 - turns a missing optional dependency (ImportError) into one WARNING naming the package.
 """
@@ -81,14 +81,16 @@ def general_plugin(name: str) -> Callable[[Callable[[], None]], Callable[[], Non
         def register() -> None:
             if name in OUTCOMES:
                 return
+            # The platform first: off HPU a plugin is inert, with one DEBUG line and no other
+            # word (not even about the vLLM version, which is not ours to judge there).
+            if not hpu_platform_active():
+                OUTCOMES[name] = "skipped: active platform is not HPU"
+                _logger.debug("%s: active vLLM platform is not HPU; nothing registered", name)
+                return
             version = compat.check_vllm()
             if not version.ok:
                 OUTCOMES[name] = f"skipped: {version.problem()}"
                 _logger.warning("%s not registered: %s", name, version.problem())
-                return
-            if not hpu_platform_active():
-                OUTCOMES[name] = "skipped: active platform is not HPU"
-                _logger.info("%s: active vLLM platform is not HPU; nothing registered", name)
                 return
             try:
                 body()

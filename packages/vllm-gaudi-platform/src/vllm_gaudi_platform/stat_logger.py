@@ -33,18 +33,11 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from vllm_gaudi_platform import metrics
+from vllm_gaudi_platform.plugins import hpu_platform_active
 
 logger = init_logger(f"vllm.{__name__}")
 
 PHASES = ("prompt", "decode")
-
-
-def _on_hpu() -> bool:
-    from vllm.platforms import current_platform
-
-    from vllm_gaudi_platform.platform import HpuPlatform
-
-    return isinstance(current_platform, HpuPlatform)
 
 
 class HpuStatLogger(AggregateStatLoggerBase):
@@ -52,7 +45,13 @@ class HpuStatLogger(AggregateStatLoggerBase):
 
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int]) -> None:
         parallel = vllm_config.parallel_config
-        self.enabled = _on_hpu() and getattr(parallel, "_api_process_rank", 0) in (0, -1)
+        # vLLM loads every stat-logger plugin in every API server, whatever the platform: on
+        # another platform this logger stays inert (no metric, no device probe, no import of the
+        # HPU platform module), with one DEBUG line.
+        on_hpu = hpu_platform_active()
+        self.enabled = on_hpu and getattr(parallel, "_api_process_rank", 0) in (0, -1)
+        if not on_hpu:
+            logger.debug("hpu_metrics: active vLLM platform is not HPU; no HPU metrics")
         self.engine_indexes = list(engine_indexes)
         self.paths = {
             idx: metrics.channel_path(vllm_config.instance_id, idx) for idx in self.engine_indexes

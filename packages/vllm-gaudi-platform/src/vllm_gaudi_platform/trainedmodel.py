@@ -17,10 +17,16 @@ Split: the topics are cut into distinct paragraphs (blank-line separated, duplic
 topics dropped); every HELDOUT_EVERY-th paragraph is held out, the rest is training text. The
 byte-level BPE tokenizer (`tokenizers`) is trained on the training text only.
 
-Determinism: fixed seeds for the weights and the batch order, and
-`torch.use_deterministic_algorithms` while training. The weights do not depend on the thread
-count (1 or 2 threads give identical bytes, which the unit tests check); they may still differ in
-the last bits between CPU instruction sets.
+Determinism: the same bytes on every x86-64 machine, whatever its instruction set, thread count
+or load. Training runs in a fresh interpreter (nothing the calling process set, such as vLLM's
+thread and oneDNN settings, reaches it) whose kernels are pinned to the AVX2 code paths every
+x86-64 machine we support has (`PINNED_KERNELS`: torch's own vectorized kernels, MKL's
+conditional numerical reproducibility branch, oneDNN's ISA cap), with fixed seeds for the weights
+and the batch order and `torch.use_deterministic_algorithms`. Without the pin, an AVX-512 machine
+runs wider kernels that sum in another order: its weights differed from an AVX2 machine's, and
+even between 1 and 2 threads. The unit tests check 1 and 2 threads, and a parent environment that
+asks for AVX-512 kernels, against the same bytes. Elsewhere than x86-64 nothing is pinned (the
+pin's settings are part of the cache key, so such a machine trains and caches its own model).
 
 Recipe: at a budget of a few CPU minutes, a small model that sees many tokens beats a bigger one
 that sees few. 2 layers of width 128 (0.66 M weights, 40 % of them the tied embedding), 1200
@@ -56,7 +62,10 @@ import hashlib
 import json
 import math
 import os
+import platform
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -103,6 +112,16 @@ RECIPE: dict[str, Any] = {
 
 # Bump when the way the folder is written changes (file names, tokenizer settings).
 FORMAT_VERSION = 1
+# The kernel paths training runs on, on x86-64: each is read by its library when it loads, so they
+# are set in the training process's environment before torch is imported (see the docstring).
+PINNED_KERNELS_X86 = {
+    "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized CPU kernels
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: the AVX2 branch
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_DYNAMIC": "FALSE",  # exactly the threads asked for
+}
+SPEC_FILE = "training-spec.json"  # the parent's orders to the training process; removed after
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 METRICS_FILE = "training.json"  # written last: its presence marks a complete model
 
@@ -133,12 +152,28 @@ def split() -> tuple[str, str]:
     return "\n\n".join(train), "\n\n".join(heldout)
 
 
+def pinned_kernels() -> dict[str, str]:
+    """The environment that pins training's kernels on this machine (empty off x86-64)."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return dict(PINNED_KERNELS_X86)
+    return {}
+
+
 def cache_key() -> str:
-    """Hash of everything the weights depend on: config, seed, corpus, recipe, format."""
+    """Hash of everything the weights depend on: config, seed, corpus, recipe, kernels, format."""
     train, heldout = split()
     corpus = hashlib.sha256((train + "\x00" + heldout).encode()).hexdigest()
     blob = json.dumps(
-        [CONFIG, SEED, RECIPE, corpus, HELDOUT_EVERY, SPECIAL_TOKENS, FORMAT_VERSION],
+        [
+            CONFIG,
+            SEED,
+            RECIPE,
+            corpus,
+            HELDOUT_EVERY,
+            SPECIAL_TOKENS,
+            FORMAT_VERSION,
+            pinned_kernels(),
+        ],
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -232,11 +267,11 @@ def _training_determinism(threads: int) -> Iterator[None]:
         torch.set_num_threads(saved_threads)
 
 
-def _lr(step: int) -> float:
-    peak, warm, steps = RECIPE["peak_lr"], RECIPE["warmup_steps"], RECIPE["steps"]
+def _lr(step: int, recipe: dict[str, Any]) -> float:
+    peak, warm, steps = recipe["peak_lr"], recipe["warmup_steps"], recipe["steps"]
     if step < warm:
         return peak * (step + 1) / warm
-    floor = peak * RECIPE["final_lr_fraction"]
+    floor = peak * recipe["final_lr_fraction"]
     progress = (step - warm) / max(1, steps - warm)
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -249,50 +284,100 @@ def _mean_loss(model: Any, windows: Any) -> float:
     return sum(losses) / len(losses)
 
 
+def training_env(threads: int) -> dict[str, str]:
+    """The training process's environment: this one's, with the kernels and threads pinned."""
+    env = dict(os.environ)
+    env.update(pinned_kernels())
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["MKL_NUM_THREADS"] = str(threads)
+    return env
+
+
 def _train_into(path: Path, *, progress: bool) -> None:
+    """Train the model into `path` in a fresh interpreter with pinned kernels (module docstring)."""
+    train_text, heldout_text = split()
+    threads = training_threads()
+    spec = {
+        "config": CONFIG,
+        "recipe": RECIPE,
+        "seed": SEED,
+        "threads": threads,
+        "progress": progress,
+        "train_text": train_text,
+        "heldout_text": heldout_text,
+    }
+    (path / SPEC_FILE).write_text(json.dumps(spec))
+    result = subprocess.run(
+        [sys.executable, "-m", __name__, str(path)], env=training_env(threads), check=False
+    )
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"training the tiny Llama failed (exit status {result.returncode}); the training "
+            "process's own error is printed above"
+        )
+    (path / SPEC_FILE).unlink()
+
+
+def _check_pinned_kernels() -> None:
+    """In the training process: refuse to train on kernels other than the pinned ones (a CPU
+    without AVX2 would silently fall back to others and give other bytes)."""
+    import torch
+
+    wanted = pinned_kernels().get("ATEN_CPU_CAPABILITY")
+    found = torch.backends.cpu.get_cpu_capability()
+    if wanted is not None and found.lower() != wanted:
+        raise RuntimeError(
+            f"the tiny Llama trains on {wanted.upper()} kernels for identical bytes on every "
+            f"x86-64 machine, but torch runs {found} kernels here (a CPU without AVX2?)"
+        )
+
+
+def _train(path: Path, spec: dict[str, Any]) -> None:
+    """The training itself (in the training process): tokenizer, model, metrics record."""
     import torch
     import transformers
     from tqdm.auto import tqdm
 
-    train_text, heldout_text = split()
+    _check_pinned_kernels()
+    recipe, seed, threads = spec["recipe"], spec["seed"], spec["threads"]
+    train_text, heldout_text = spec["train_text"], spec["heldout_text"]
     tokenizer = _train_tokenizer(train_text, path)
     train_ids = torch.tensor(tokenizer(train_text)["input_ids"], dtype=torch.long)
     heldout_ids = torch.tensor(tokenizer(heldout_text)["input_ids"], dtype=torch.long)
-    seq, batch = RECIPE["seq_len"], RECIPE["batch_size"]
+    seq, batch = recipe["seq_len"], recipe["batch_size"]
 
-    threads = training_threads()
     started = time.monotonic()
     with _training_determinism(threads):
-        torch.manual_seed(SEED)
-        config = transformers.LlamaConfig(**CONFIG)
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(**spec["config"])
         model = transformers.LlamaForCausalLM(config).float().train()
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": RECIPE["weight_decay"]},
+                {"params": decay, "weight_decay": recipe["weight_decay"]},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=RECIPE["peak_lr"],
-            betas=tuple(RECIPE["betas"]),
+            lr=recipe["peak_lr"],
+            betas=tuple(recipe["betas"]),
         )
-        order = torch.Generator().manual_seed(SEED + 1)
+        order = torch.Generator().manual_seed(seed + 1)
         bar = tqdm(
-            range(RECIPE["steps"]),
+            range(recipe["steps"]),
             desc="Training the tiny Llama on the Python docs",
-            disable=not progress,
+            disable=not spec["progress"],
             unit="step",
         )
         smoothed = None
         for step in bar:
             for group in optimizer.param_groups:
-                group["lr"] = _lr(step)
+                group["lr"] = _lr(step, recipe)
             starts = torch.randint(0, len(train_ids) - seq, (batch,), generator=order)
             x = torch.stack([train_ids[s : s + seq] for s in starts.tolist()])
             loss = model(input_ids=x, labels=x).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["grad_clip"])
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe["grad_clip"])
             optimizer.step()
             smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
             bar.set_postfix(loss=f"{smoothed:.3f}")
@@ -300,7 +385,7 @@ def _train_into(path: Path, *, progress: bool) -> None:
         train_seconds = time.monotonic() - started
 
         model.eval()
-        n = RECIPE["eval_windows"]
+        n = recipe["eval_windows"]
         train_loss = _mean_loss(model, _windows(train_ids, n, seq))
         heldout_loss = _mean_loss(model, _windows(heldout_ids, n, seq))
     model.generation_config.pad_token_id = 0
@@ -315,9 +400,10 @@ def _train_into(path: Path, *, progress: bool) -> None:
         "heldout_loss": round(heldout_loss, 4),
         "train_perplexity": round(math.exp(train_loss), 3),
         "heldout_perplexity": round(math.exp(heldout_loss), 3),
-        "config": CONFIG,
-        "recipe": RECIPE,
-        "seed": SEED,
+        "config": spec["config"],
+        "recipe": recipe,
+        "seed": seed,
+        "kernels": pinned_kernels(),
     }
     (path / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")
 
@@ -382,3 +468,12 @@ def vllm_logprobs(outputs: Sequence[Any]) -> list[list[float]]:
         pairs = zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:], strict=True)
         out.append([step[token].logprob for token, step in pairs])
     return out
+
+
+if __name__ == "__main__":
+    # The training process of `_train_into`: python -m vllm_gaudi_platform.trainedmodel <folder>
+    from vllm_gaudi_platform import third_party_noise
+
+    third_party_noise.silence()  # it imports transformers, and torchao with it
+    _target = Path(sys.argv[1])
+    _train(_target, json.loads((_target / SPEC_FILE).read_text()))
