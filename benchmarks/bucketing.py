@@ -34,7 +34,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, can_pack, plan_from_env
-from vllm_gaudi_platform.step_trace import TracedShape, format_line
+from vllm_gaudi_platform.observability.step_trace import TracedShape, format_line
 
 STRATEGIES = ("exp", "lin", "pad", "fitted", "fitted/ho")
 

@@ -166,7 +166,7 @@ def run_worker(job: dict) -> None:
 
 def padding_ratio(snapshot: dict, part: str) -> float:
     """Work the buckets ran beyond the work needed, over the whole run (warmup excluded)."""
-    from vllm_gaudi_platform import metrics
+    from vllm_gaudi_platform.observability import metrics
 
     return metrics.padding_ratio(snapshot[f"{part}_real"], snapshot[f"{part}_padded"])
 
@@ -282,7 +282,7 @@ def main() -> None:
         run_worker(json.loads(sys.stdin.readline()))
         return
 
-    from vllm_gaudi_platform import tinymodels
+    from vllm_gaudi_platform.testing import tinymodels
 
     tiny = str(tinymodels.build("llama"))
     models = args.models.split(",")
@@ -317,7 +317,7 @@ def run_model(
     name: str, model: str, num_prompts: int, max_tokens: int, num_rounds: int, args
 ) -> float | None:
     """One model's side-by-side table; its ratio (None when profiling)."""
-    from vllm_gaudi_platform import tinymodels
+    from vllm_gaudi_platform.testing import tinymodels
 
     # One workload per round, each with its own seed: no prefix-cache hits across rounds. The
     # table adds up all rounds but the first, which warms up what one engine start does not (the

@@ -133,7 +133,7 @@ def ttft(prompt_len: int, repeats: int) -> tuple[float, float]:
     import random
 
     from tests.connectors import cluster
-    from vllm_gaudi_platform import tinymodels
+    from vllm_gaudi_platform.testing import tinymodels
 
     model = str(tinymodels.build("llama"))
     rng = random.Random(0)

@@ -1,8 +1,8 @@
 """Held-out perplexity of the trained tiny Llama per quantized checkpoint format, over float.
 
 A random-weight model has no accuracy to lose; the tiny Llama trained on the Python docs
-(`vllm_gaudi_platform.trainedmodel`) does. Each format's checkpoint is written from it by the
-test packers (tests/quant/checkpoints.py: every decoder linear quantized, embeddings, norms and
+(`vllm_gaudi_platform.testing.trainedmodel`) does. Each format's checkpoint is written from it by
+the test packers (tests/quant/checkpoints.py: every decoder linear quantized, embeddings, norms and
 LM head float), and every model, the float one included, is scored through the HPU platform in
 CPU emulation (float32 activations) with prompt logprobs over the same held-out windows. The
 ratio quantized/float is the accuracy cost of the format (measured on the 2 x 128 model: 1.0015
@@ -62,7 +62,7 @@ def _score(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     extra = {}
     if quant_config:
@@ -88,7 +88,7 @@ def _score(
 
 def _job(spec: dict) -> None:
     """Child process: score each model, one JSON line each (or its error)."""
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     for name, model in spec["models"].items():
         try:
@@ -113,7 +113,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))  # the checkpoint writers live with the tests
     from tests.quant import checkpoints
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     model = trainedmodel.build()
     windows = trainedmodel.heldout_windows(model, args.windows)
@@ -164,7 +164,7 @@ def main() -> None:
 def _calibrate(model: Path, tmp: Path, env: dict[str, str]) -> Path | None:
     """`vllm-gaudi calibrate` over training paragraphs; the QUANTIZE config, or None on failure
     (printed, so that the other formats' numbers still come)."""
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     dataset = tmp / "calibration.jsonl"
     paragraphs = [p for p in trainedmodel.split()[0].split("\n\n") if len(p) > 200]

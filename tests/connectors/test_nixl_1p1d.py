@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.connectors import cluster
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -23,7 +23,7 @@ from tests.integration.generation import (
     run_engine,
     run_job,
 )
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 SEQUENTIAL_JOB = Path(__file__).with_name("sequential_job.py")
 

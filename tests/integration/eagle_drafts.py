@@ -25,7 +25,7 @@ import json
 import os
 from pathlib import Path
 
-from vllm_gaudi_platform import tinymodels, trainedmodel
+from vllm_gaudi_platform.testing import tinymodels, trainedmodel
 
 FIT_TOKENS = 8192  # least-squares samples (tokens of training text)
 WINDOW = 128

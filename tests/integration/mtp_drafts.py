@@ -31,7 +31,7 @@ import shutil
 from pathlib import Path
 
 from tests.integration import eagle_drafts
-from vllm_gaudi_platform import tinymodels, trainedmodel
+from vllm_gaudi_platform.testing import tinymodels, trainedmodel
 
 FORMAT_VERSION = 1
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from vllm_gaudi_platform import third_party_noise
+from vllm_gaudi_platform.commands import third_party_noise
 
 pytestmark = pytest.mark.engine
 

@@ -25,7 +25,7 @@ from tests.integration.generation import (
     named_job_outputs,
     run_job,
 )
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -36,7 +36,7 @@ import pytest
 
 from tests.integration import openai_server
 from tests.integration.generation import make_prompts, named_job_outputs, run_job
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

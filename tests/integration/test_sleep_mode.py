@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.generation import job_result, run_job
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration import architectures
 from tests.integration.generation import assert_close, hf_greedy, make_prompts
-from vllm_gaudi_platform import tinymodels
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration import eagle_drafts, mtp_drafts
 from tests.integration.generation import ENGINE, job_result, run_job
-from vllm_gaudi_platform import trainedmodel
+from vllm_gaudi_platform.testing import trainedmodel
 
 pytestmark = pytest.mark.engine
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.generation import job_result, run_job
-from vllm_gaudi_platform import trainedmodel
+from vllm_gaudi_platform.testing import trainedmodel
 
 pytestmark = pytest.mark.engine
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.generation import run_engine
-from vllm_gaudi_platform import tinymodels
-from vllm_gaudi_platform.step_trace import TracedShape, read_trace
+from vllm_gaudi_platform.observability.step_trace import TracedShape, read_trace
+from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -18,7 +18,7 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     llm = LLM(model=job["model"], **job["engine"])
     greedy = llm.generate(

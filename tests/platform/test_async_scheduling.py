@@ -15,7 +15,7 @@ import pytest
 
 CONFIGS = (
     "from vllm.engine.arg_utils import EngineArgs\n"
-    "from vllm_gaudi_platform import tinymodels\n"
+    "from vllm_gaudi_platform.testing import tinymodels\n"
     "model = str(tinymodels.build('llama'))\n"
     "cases = {\n"
     "    'default': {},\n"

@@ -31,7 +31,7 @@ def _emulation(emulated):
 @pytest.fixture
 def attention(_emulation):
     """The backend module (importing it resolves the seam, so only under emulation)."""
-    from vllm_gaudi_platform import attention
+    from vllm_gaudi_platform.attention import backend as attention
 
     return attention
 
@@ -198,8 +198,8 @@ def test_windowed_decode_keeps_only_blocks_inside_the_window(monkeypatch, window
 
 
 def test_windowed_decode_block_count_comes_from_bucket_and_window(attention):
-    from vllm_gaudi_platform.attention import build_metadata
-    from vllm_gaudi_platform.step_layout import plan_step
+    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.step_layout import plan_step
 
     lens = [3, 150, 200]
     layout = plan_step(

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.attention import step_layout
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 32
@@ -32,7 +32,7 @@ def _emulation(emulated):
 def _step(query_lens, ctx_lens, kv_cache_dtype, k_scale, v_scale, seed=0):
     """One step through the backend on a fresh cache of `kv_cache_dtype`; the cached context is
     written the way the backend writes it. Returns (outputs of the real tokens, flat cache)."""
-    from vllm_gaudi_platform.attention import HPUAttentionImpl, build_metadata
+    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl, build_metadata
     from vllm_gaudi_platform.seam import backend
 
     seam = backend()
@@ -131,7 +131,7 @@ def test_values_beyond_the_scale_range_saturate_instead_of_overflowing():
 
 
 def test_backend_lists_the_fp8_cache_dtypes():
-    from vllm_gaudi_platform.attention import HPUAttentionBackend
+    from vllm_gaudi_platform.attention.backend import HPUAttentionBackend
 
     assert {"fp8_inc", "fp8", "fp8_e4m3"} <= set(HPUAttentionBackend.supported_kv_cache_dtypes)
 
@@ -141,7 +141,7 @@ def test_vllms_uint8_fp8_cache_names_become_gaudis_fp8_cache(run_python):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"
         "from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE\n"
-        "from vllm_gaudi_platform import tinymodels\n"
+        "from vllm_gaudi_platform.testing import tinymodels\n"
         "model = str(tinymodels.build('llama'))\n"
         "for name in ('fp8', 'fp8_e4m3'):\n"
         "    config = EngineArgs(model=model, kv_cache_dtype=name).create_engine_config()\n"

@@ -1,4 +1,4 @@
-"""Data-parallel ranks agree on one padded layout per step (vllm_gaudi_platform.data_parallel)."""
+"""Data-parallel ranks agree on one padded layout per step (runner/data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from tests.platform import test_attention
-from vllm_gaudi_platform import data_parallel, step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.runner import data_parallel
 
 BLOCK = test_attention.BLOCK
 
@@ -129,7 +130,7 @@ def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch
 
 
 def test_idle_rank_metadata_is_all_padding():
-    from vllm_gaudi_platform.attention import build_metadata
+    from vllm_gaudi_platform.attention.backend import build_metadata
 
     plan = _plan()
     layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), plan)
@@ -152,7 +153,7 @@ class _IdleRank:
     `maxima` (the other ranks' all-reduce), the forward pass is recorded, not run."""
 
     def __init__(self, maxima: tuple[int, ...]) -> None:
-        from vllm_gaudi_platform.model_runner import RecompileTracker
+        from vllm_gaudi_platform.runner.model_runner import RecompileTracker
 
         self.maxima = maxima
         self.recompiles = RecompileTracker(strict=False)
@@ -170,7 +171,7 @@ class _IdleRank:
 
 
 def test_idle_rank_counts_each_padding_only_step_it_runs():
-    from vllm_gaudi_platform.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
 
     rank = _IdleRank((2, 32, 2, 4, 8, 0, 0))  # another rank prefills and decodes
     HPUModelRunner.execute_idle_dp_step(rank)
@@ -180,7 +181,7 @@ def test_idle_rank_counts_each_padding_only_step_it_runs():
 
 
 def test_step_where_every_rank_is_idle_runs_nothing_and_is_not_counted():
-    from vllm_gaudi_platform.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
 
     rank = _IdleRank(data_parallel.IDLE)
     HPUModelRunner.execute_idle_dp_step(rank)

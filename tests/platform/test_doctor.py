@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from vllm_gaudi_platform import cli, compat, doctor, envs
+from vllm_gaudi_platform import cli, compat, envs
+from vllm_gaudi_platform.commands import doctor
 
 JSON_KEYS = {"wheels", "entry_points", "vllm_plugins", "device", "versions", "problems", "ok"}
 
@@ -212,7 +213,7 @@ def test_entry_point_whose_module_is_missing_is_a_problem(capsys, emulation, mon
 
 
 def test_target_present_finds_modules_without_importing_them():
-    assert doctor.target_present("vllm_gaudi_platform.doctor:collect") is True
+    assert doctor.target_present("vllm_gaudi_platform.commands.doctor:collect") is True
     assert doctor.target_present("vllm_gaudi_platform:register") is True
     assert doctor.target_present("vllm_gaudi_platform.no_such_module:register") is False
     assert doctor.target_present("no_such_top_level_package:register") is False
@@ -293,7 +294,7 @@ def test_doctor_imports_neither_torch_nor_vllm(run_python):
     )
 
     imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()]
-    assert "vllm_gaudi_platform.doctor" in imported, result.stderr[-2000:]
+    assert "vllm_gaudi_platform.commands.doctor" in imported, result.stderr[-2000:]
     assert [m for m in imported if m.split(".")[0] in ("torch", "vllm")] == []
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import (
     Bucket,
     BucketPlan,
@@ -17,7 +17,7 @@ from vllm_gaudi_platform.bucketing import (
     plan_from_env,
 )
 from vllm_gaudi_platform.envs import EnvError
-from vllm_gaudi_platform.step_trace import (
+from vllm_gaudi_platform.observability.step_trace import (
     TracedShape,
     TraceRecorder,
     format_line,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from vllm.lora.layers import LoRAMapping
 
-from vllm_gaudi_platform.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
+from vllm_gaudi_platform.runner.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
 from vllm_gaudi_platform.seam import emulated as kernels
 
 SLOTS, RANK, IN, OUT = 3, 8, 48, 40

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from vllm_gaudi_platform import metrics, step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.observability import metrics
 
 BLOCK = 128
 

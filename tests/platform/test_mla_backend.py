@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
 BLOCK = 16
@@ -32,7 +32,7 @@ def _kv_b_proj(gen: torch.Generator) -> torch.nn.Linear:
 
 
 def _impl(kv_b_proj):
-    from vllm_gaudi_platform.mla import HPUMLAImpl
+    from vllm_gaudi_platform.attention.mla import HPUMLAImpl
 
     impl = HPUMLAImpl(
         num_heads=HEADS,
@@ -75,7 +75,7 @@ def _reference(q, latent, ctx, kv_b_proj):
 def _run(query_lens, ctx_lens, plan, seed=0):
     """One step through the backend; its outputs, the per-request references, the layout, the
     cache and where the new tokens' latent rows should have gone."""
-    from vllm_gaudi_platform.attention import build_metadata
+    from vllm_gaudi_platform.attention.backend import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     proj = _kv_b_proj(gen)
@@ -172,7 +172,7 @@ def test_platform_selects_the_hpu_mla_backend_for_mla_layers():
 
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from vllm_gaudi_platform.mla import HPUMLAImpl, HPUMLAPrefillBackend
+    from vllm_gaudi_platform.attention.mla import HPUMLAImpl, HPUMLAPrefillBackend
     from vllm_gaudi_platform.platform import HpuPlatform
 
     path = HpuPlatform.get_attn_backend_cls(None, SimpleNamespace(use_mla=True, use_sparse=False))

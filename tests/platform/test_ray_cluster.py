@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from ray._private.accelerators.hpu import HPUAcceleratorManager
 
-from vllm_gaudi_platform import ray_cluster
+from vllm_gaudi_platform.distributed import ray_cluster
 
 
 @pytest.fixture

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_gaudi_platform import spec_decode, step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import plan_from_env
+from vllm_gaudi_platform.runner import spec_decode
 
 LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, block_size=128)
 K = 3
@@ -109,7 +110,7 @@ def test_warmup_lays_a_verify_bucket_out_as_prefill_rows_with_context():
 def test_the_platform_refuses_an_unsupported_method_when_the_config_is_built(run_python):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"
-        "from vllm_gaudi_platform import tinymodels\n"
+        "from vllm_gaudi_platform.testing import tinymodels\n"
         "args = EngineArgs(model=str(tinymodels.build('llama')),\n"
         "    speculative_config={'method': 'ngram_gpu', 'num_speculative_tokens': 2})\n"
         "args.create_engine_config()\n"

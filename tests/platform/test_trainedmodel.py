@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_gaudi_platform import trainedmodel
+from vllm_gaudi_platform.testing import trainedmodel
 
 SMALL_CONFIG = {
     "hidden_size": 32,

@@ -741,7 +741,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         ),
     ),
     Overriding(
-        f"{P}.model_runner:HPUModelRunner",
+        f"{P}.runner.model_runner:HPUModelRunner",
         RUNNER,
         frozenset(
             {
@@ -766,20 +766,22 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         ),
     ),
     Overriding(
-        f"{P}.lora:PunicaWrapperHPU",
+        f"{P}.runner.lora:PunicaWrapperHPU",
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase",
         frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate"}),
     ),
     Overriding(
-        f"{P}.attention:HPUAttentionMetadataBuilder",
+        f"{P}.attention.backend:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
     ),
-    Overriding(f"{P}.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
+    Overriding(f"{P}.attention.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
     Overriding(
-        f"{P}.mla:HPUMLAImpl", "vllm.v1.attention.backend:MLAAttentionImpl", frozenset({"_prefill"})
+        f"{P}.attention.mla:HPUMLAImpl",
+        "vllm.v1.attention.backend:MLAAttentionImpl",
+        frozenset({"_prefill"}),
     ),
     Overriding(
-        f"{P}.mla:HPUMLAPrefillBackend",
+        f"{P}.attention.mla:HPUMLAPrefillBackend",
         "vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend",
     ),
     Overriding("vllm_gaudi_connectors.nixl:HpuNixlConnector", f"{NIXL}.connector:NixlConnector"),
@@ -1001,7 +1003,7 @@ def test_host_buffer_sharing_convention_holds(name):
 
 
 def test_slot_mapping_stand_in_takes_the_kernels_parameters_in_order():
-    from vllm_gaudi_platform import triton_overrides
+    from vllm_gaudi_platform.runner import triton_overrides
 
     kernel = resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel.kernel")
     # Launched positionally (the names differ only by the kernel's `_ptr` suffixes), then the
@@ -1013,7 +1015,7 @@ def test_slot_mapping_stand_in_takes_the_kernels_parameters_in_order():
 
 @pytest.mark.parametrize("name", sorted(SPEC_DECODE_KERNEL_NAMES))
 def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
-    from vllm_gaudi_platform import triton_overrides
+    from vllm_gaudi_platform.runner import triton_overrides
 
     module, kernel = name.rsplit(".", 1)
     # vLLM's launcher forwards by keyword only when the names match exactly, in order.

@@ -33,7 +33,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from vllm_gaudi_platform import tinymodels
+    from vllm_gaudi_platform.testing import tinymodels
 
     return str(tinymodels.build("llama-soft"))
 

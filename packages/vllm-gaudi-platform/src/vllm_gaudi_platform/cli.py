@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from vllm_gaudi_platform import third_party_noise
+from vllm_gaudi_platform.commands import third_party_noise
 
 # At import, not in main(): a spawned engine or worker process imports the console script again
 # (as __mp_main__) before anything else, and that is the one moment to install the filters there.
@@ -32,7 +32,7 @@ runs on another platform. Missing optional packages are info, not problems."""
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from vllm_gaudi_platform import doctor
+    from vllm_gaudi_platform.commands import doctor
 
     report = doctor.collect()
     if args.json:
@@ -59,7 +59,7 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from vllm_gaudi_platform import demo
+    from vllm_gaudi_platform.commands import demo
 
     return demo.run(max_tokens=args.max_tokens, model=args.model)
 

@@ -10,6 +10,10 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
 from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.attention.cache_dtypes import (
+    HPU_KV_CACHE_DTYPES,
+    VLLM_UINT8_FP8_CACHE_DTYPES,
+)
 from vllm_gaudi_platform.seam import backend
 
 if TYPE_CHECKING:
@@ -45,9 +49,9 @@ class _SeamConstant:
 
 
 _seam = _Seam()
-ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.HPUAttentionBackend"
+ATTENTION_BACKEND_CLS = "vllm_gaudi_platform.attention.backend.HPUAttentionBackend"
 # DeepSeek-style multi-head latent attention (MLA) layers.
-MLA_BACKEND_CLS = "vllm_gaudi_platform.mla.HPUMLABackend"
+MLA_BACKEND_CLS = "vllm_gaudi_platform.attention.mla.HPUMLABackend"
 # Set to 1 in Ray workers so Ray does not narrow HABANA_VISIBLE_MODULES to the actor's own module.
 RAY_NOSET_VISIBLE_MODULES = "RAY_EXPERIMENTAL_NOSET_HABANA_VISIBLE_MODULES"
 
@@ -61,10 +65,6 @@ def _register_attention_backend() -> None:
 WORKER_CLS = "vllm_gaudi_platform.worker.HPUWorker"
 COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
 DEFAULT_BLOCK_SIZE = 128
-# The attention backend's KV cache dtypes (attention.HPUAttentionBackend.supported_kv_cache_dtypes).
-HPU_KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_inc", "fp8", "fp8_e4m3")
-# vLLM's names for an FP8 E4M3 cache that it stores as uint8; the platform turns them into fp8_inc.
-VLLM_UINT8_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 _register_attention_backend()
 
@@ -212,7 +212,7 @@ class HpuPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """Plain-torch stand-ins for the Triton kernels vLLM's shared runner code calls."""
-        from vllm_gaudi_platform import triton_overrides
+        from vllm_gaudi_platform.runner import triton_overrides
 
         triton_overrides.register()
 
@@ -228,7 +228,7 @@ class HpuPlatform(Platform):
     def get_mla_prefill_backend_cls(cls, mla_selector_config):
         # HPU MLA runs prefill inside its own backend (mla.py); vLLM's MLA layer still asks for
         # a prefill backend class when it is built.
-        from vllm_gaudi_platform.mla import HPUMLAPrefillBackend
+        from vllm_gaudi_platform.attention.mla import HPUMLAPrefillBackend
 
         return HPUMLAPrefillBackend
 
@@ -239,7 +239,7 @@ class HpuPlatform(Platform):
     @classmethod
     def get_punica_wrapper(cls) -> str:
         # Static-shape multi-LoRA through the seam's batched shrink/expand kernels.
-        return "vllm_gaudi_platform.lora.PunicaWrapperHPU"
+        return "vllm_gaudi_platform.runner.lora.PunicaWrapperHPU"
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -301,7 +301,7 @@ class HpuPlatform(Platform):
         check_quant = getattr(vllm_config.quant_config, "hpu_check_vllm_config", None)
         if check_quant is not None:
             check_quant(vllm_config)
-        from vllm_gaudi_platform.spec_decode import check_speculative_config
+        from vllm_gaudi_platform.runner.spec_decode import check_speculative_config
 
         check_speculative_config(vllm_config.speculative_config)
 
@@ -332,7 +332,7 @@ class HpuPlatform(Platform):
 
         _set_gaudi_runtime_env()
         if parallel_config.use_ray:
-            from vllm_gaudi_platform import ray_cluster
+            from vllm_gaudi_platform.distributed import ray_cluster
 
             ray_cluster.prepare(parallel_config, emulated=bool(_seam.IS_EMULATED))
         _check_bucketing(vllm_config)

@@ -19,9 +19,9 @@ metric                                 type     meaning
 =====================================  =======  ==================================================
 
 The values come from the worker through the memory-mapped channel of
-``vllm_gaudi_platform.metrics`` (its docstring says why that channel). The logger does nothing
-when the platform is not the HPU platform, and in API-server processes other than the first
-(``--api-server-count`` > 1), so that counters are not added up once per API server.
+``vllm_gaudi_platform.observability.metrics`` (its docstring says why that channel). The logger
+does nothing when the platform is not the HPU platform, and in API-server processes other than
+the first (``--api-server-count`` > 1), so that counters are not added up once per API server.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from vllm_gaudi_platform import metrics
+from vllm_gaudi_platform.observability import metrics
 from vllm_gaudi_platform.plugins import hpu_platform_active
 
 logger = init_logger(f"vllm.{__name__}")

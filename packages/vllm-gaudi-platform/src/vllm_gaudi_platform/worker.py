@@ -13,8 +13,9 @@ from vllm.utils.torch_utils import set_random_seed, set_torch_threads_for_runtim
 from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
 from vllm.v1.worker.worker_base import CompilationTimes
 
-from vllm_gaudi_platform import envs, sleep_mode
-from vllm_gaudi_platform.model_runner import HPUModelRunner
+from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.runner import sleep_mode
+from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")

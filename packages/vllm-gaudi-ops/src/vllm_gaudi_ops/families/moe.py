@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_platform.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
 from vllm_gaudi_platform.seam import backend
 
 FAMILY = "moe"

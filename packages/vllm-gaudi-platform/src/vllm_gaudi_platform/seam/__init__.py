@@ -18,7 +18,13 @@ import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vllm_gaudi_platform.seam import emulated, gaudi
     from vllm_gaudi_platform.seam.contract import HpuBackend
+
+    # The type checker proves both backend modules satisfy the Protocol (here, not in contract.py,
+    # which the backends import: the check would close an import circle).
+    _emulated_backend: HpuBackend = emulated
+    _gaudi_backend: HpuBackend = gaudi
 
 
 @functools.cache

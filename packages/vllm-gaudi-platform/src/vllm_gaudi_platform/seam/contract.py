@@ -1,10 +1,11 @@
 """The seam's contract: what every backend (`gaudi.py`, `emulated.py`) provides, typed.
 
 `HpuBackend` is a Protocol that both backend MODULES satisfy: the type checker verifies it (see
-the assignments under TYPE_CHECKING at the bottom), and `tests/platform/test_seam_contract.py`
-compares the two modules' public signatures (gaudi.py parsed, never imported, so the check runs
-without a Gaudi) with each other and with this Protocol. A kernel added to one backend and
-forgotten in the other, or left out of this Protocol, fails CI.
+the assignments under TYPE_CHECKING in `seam/__init__.py`), and
+`tests/platform/test_seam_contract.py` compares the two modules' public signatures (gaudi.py
+parsed, never imported, so the check runs without a Gaudi) with each other and with this
+Protocol. A kernel added to one backend and forgotten in the other, or left out of this Protocol,
+fails CI.
 
 Facts the platform used to infer from `DEVICE_TYPE == "hpu"` are stated here by each backend.
 """
@@ -222,11 +223,3 @@ class HpuBackend(Protocol):
         scale: float,
         kv_lora_rank: int,
     ) -> torch.Tensor: ...
-
-
-if TYPE_CHECKING:
-    # The type checker proves both backend modules satisfy the Protocol.
-    from vllm_gaudi_platform.seam import emulated, gaudi
-
-    _emulated_backend: HpuBackend = emulated
-    _gaudi_backend: HpuBackend = gaudi

@@ -54,7 +54,7 @@ from vllm.model_executor.layers.quantization.base_config import (
 from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_gaudi_platform.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
 from vllm_gaudi_platform.seam import backend
 
 logger = init_logger(f"vllm.{__name__}")

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform import seam
-from vllm_gaudi_platform.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
 
 PACK = 8  # 4-bit values per int32 word
 # AWQ's GEMM checkpoints interleave columns inside a word: nibble i holds column 8j + AWQ_ORDER[i].

@@ -149,7 +149,7 @@ from vllm_gaudi_platform.envs import (
     VLLM_EXPONENTIAL_BUCKETING,
     EnvError,
 )
-from vllm_gaudi_platform.step_trace import TracedShape, read_trace
+from vllm_gaudi_platform.observability.step_trace import TracedShape, read_trace
 
 logger = logging.getLogger(f"vllm.{__name__}")
 

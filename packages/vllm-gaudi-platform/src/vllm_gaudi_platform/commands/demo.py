@@ -20,8 +20,9 @@ PERPLEXITY_WINDOW_TOKENS = 128
 def run(*, max_tokens: int = 16, model: str | None = None) -> int:
     """Run the demo; `model` replaces the trained tiny Llama (the held-out perplexity is then
     not printed: its tokenizer and text are not the trained model's)."""
-    from vllm_gaudi_platform import envs, trainedmodel
+    from vllm_gaudi_platform import envs
     from vllm_gaudi_platform.seam.probe import gaudi_software_installed
+    from vllm_gaudi_platform.testing import trainedmodel
 
     if envs.VLLM_HPU_EMULATION not in os.environ and not gaudi_software_installed():
         os.environ[envs.VLLM_HPU_EMULATION] = "cpu"
@@ -61,7 +62,7 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    from vllm_gaudi_platform import trainedmodel
+    from vllm_gaudi_platform.testing import trainedmodel
 
     prompts = trainedmodel.heldout_prompts()
     outputs = llm.generate(

@@ -43,8 +43,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from vllm_gaudi_platform import envs, step_layout
-from vllm_gaudi_platform.platform import HPU_KV_CACHE_DTYPES
+from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention.cache_dtypes import HPU_KV_CACHE_DTYPES
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 

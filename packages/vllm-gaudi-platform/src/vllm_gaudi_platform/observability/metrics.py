@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vllm_gaudi_platform.step_layout import StepLayout
+    from vllm_gaudi_platform.attention.step_layout import StepLayout
 
 FIELDS: tuple[str, ...] = (
     "recompiles",

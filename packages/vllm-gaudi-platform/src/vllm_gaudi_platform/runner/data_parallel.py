@@ -21,8 +21,8 @@ here is pure Python so it is unit-tested without processes.
 
 from __future__ import annotations
 
+from vllm_gaudi_platform.attention.step_layout import DecodePart, PrefillPart, StepLayout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
-from vllm_gaudi_platform.step_layout import DecodePart, PrefillPart, StepLayout
 
 # shape_vector's entries: prefill rows, query bucket, context blocks; decode batch, blocks;
 # the prefill part packed into one row: its new tokens, its context blocks.

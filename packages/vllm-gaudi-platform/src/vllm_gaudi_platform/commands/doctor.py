@@ -387,7 +387,7 @@ def _check_optional(report: Report, wheels: list[Wheel]) -> None:
 
 def _report_ray(report: Report, version: str | None) -> None:
     """Whether vLLM's Ray executor can run, and which Ray resources each worker will ask for."""
-    from vllm_gaudi_platform import ray_cluster
+    from vllm_gaudi_platform.distributed import ray_cluster
 
     request = ray_cluster.per_worker_request()
     if version is None:

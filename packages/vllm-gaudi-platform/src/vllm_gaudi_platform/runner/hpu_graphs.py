@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from vllm_gaudi_platform.attention import HPUAttentionMetadata
+from vllm_gaudi_platform.attention.backend import HPUAttentionMetadata
+from vllm_gaudi_platform.attention.step_layout import StepLayout
 from vllm_gaudi_platform.bucketing import Bucket, can_pack
-from vllm_gaudi_platform.step_layout import StepLayout
 
 # Metadata fields that are not copied from the step: fixed per graph (see the module docstring)
 # or a per-step cache that the forward pass rebuilds.

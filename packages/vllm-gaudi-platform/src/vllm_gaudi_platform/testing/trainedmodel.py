@@ -71,7 +71,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_gaudi_platform.tinymodels import cache_root
+from vllm_gaudi_platform.testing.tinymodels import cache_root
 
 CORPUS_SOURCE = "pydoc_data.topics (CPython documentation, PSF License Version 2)"
 HELDOUT_EVERY = 20
@@ -471,8 +471,9 @@ def vllm_logprobs(outputs: Sequence[Any]) -> list[list[float]]:
 
 
 if __name__ == "__main__":
-    # The training process of `_train_into`: python -m vllm_gaudi_platform.trainedmodel <folder>
-    from vllm_gaudi_platform import third_party_noise
+    # The training process of `_train_into`:
+    # python -m vllm_gaudi_platform.testing.trainedmodel <folder>
+    from vllm_gaudi_platform.commands import third_party_noise
 
     third_party_noise.silence()  # it imports transformers, and torchao with it
     _target = Path(sys.argv[1])

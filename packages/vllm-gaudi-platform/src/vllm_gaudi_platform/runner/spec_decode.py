@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_gaudi_platform import step_layout
+from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
 # Drafters that run on HPU today. The n-gram drafter needs no draft model: it looks up the last

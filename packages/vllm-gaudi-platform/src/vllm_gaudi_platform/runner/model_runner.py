@@ -24,13 +24,15 @@ from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gaudi_platform import data_parallel, envs, hpu_graphs, spec_decode, step_layout
-from vllm_gaudi_platform import lora as hpu_lora
-from vllm_gaudi_platform import metrics as hpu_metrics
-from vllm_gaudi_platform.attention import HPUAttentionMetadata, build_metadata
+from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention.backend import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
+from vllm_gaudi_platform.observability import metrics as hpu_metrics
+from vllm_gaudi_platform.observability.step_trace import TraceRecorder
+from vllm_gaudi_platform.runner import data_parallel, hpu_graphs, spec_decode
+from vllm_gaudi_platform.runner import lora as hpu_lora
 from vllm_gaudi_platform.seam import backend as seam_backend
-from vllm_gaudi_platform.step_trace import TraceRecorder
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -194,7 +196,7 @@ class HPUModelRunner(GPUModelRunner):
             block_size=self.cache_config.block_size,
         )
         self.recompiles = RecompileTracker(strict=envs.get_bool(envs.VLLM_FULL_WARMUP))
-        # Serving counters for the API server's /metrics (see vllm_gaudi_platform.metrics).
+        # Serving counters for the API server's /metrics (see observability/metrics.py).
         self.step_metrics = hpu_metrics.StepMetrics(hpu_metrics.worker_channel(vllm_config))
         self.trace_recorder: TraceRecorder | None = None
         trace_path = (envs.get_raw(envs.VLLM_BUCKETING_RECORD_TRACE) or "").strip()
@@ -312,7 +314,7 @@ class HPUModelRunner(GPUModelRunner):
         self.model = loaded
         if self.lora_config:
             # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run
-            # through the platform's punica wrapper (vllm_gaudi_platform.lora.PunicaWrapperHPU).
+            # through the platform's punica wrapper (runner/lora.py, PunicaWrapperHPU).
             self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
         # A quantization method may transform the loaded model before warmup (INC FP8 patches its
         # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
