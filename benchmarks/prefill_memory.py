@@ -62,7 +62,7 @@ def measure(case: Case) -> dict[str, int]:
     """Run one attention layer on the case's bucket and record the largest tensors."""
     import torch.nn.functional as F
 
-    from vllm_gaudi_platform.attention import backend as attention
+    from vllm_gaudi_platform.attention import impl as attention
     from vllm_gaudi_platform.seam import emulated
 
     seen = {"kernel_mask": 0, "emulation_mask": 0, "scores": 0}
@@ -111,7 +111,8 @@ def _run_layer(case: Case) -> None:
     import torch
 
     from vllm_gaudi_platform.attention import step_layout
-    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl, build_metadata
+    from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     heads, dim = 1, 16
     seq = case.cached + case.new_tokens

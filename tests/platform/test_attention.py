@@ -23,7 +23,7 @@ def _emulation(monkeypatch):
 
 
 def _impl(window=None, softcap=None, sinks=None, alibi=None):
-    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl
+    from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
 
     return HPUAttentionImpl(
         HEADS,
@@ -81,7 +81,7 @@ def _run(
     """Run one step through the backend; return its outputs and the reference per request.
     With `split`, a mixed step runs as the runner runs it: a decode pass, then a prefill pass,
     each over its own tokens with its part's metadata."""
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     n = len(query_lens)
@@ -196,7 +196,7 @@ def test_paged_decode_matches_reference():
 
 
 def test_a_decode_only_step_lays_its_cells_out_in_token_order():
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     lens = [3, 20, 33]
     layout = step_layout.plan_step(

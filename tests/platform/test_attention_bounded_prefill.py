@@ -30,8 +30,9 @@ def _emulation(emulated):
 
 @pytest.fixture
 def attention(_emulation):
-    """The backend module (importing it resolves the seam, so only under emulation)."""
-    from vllm_gaudi_platform.attention import backend as attention
+    """The attention metadata module: `HPUAttentionMetadata` and `window_blocks`, which its
+    window narrowing reads (so a patch of it here turns narrowing off)."""
+    from vllm_gaudi_platform.attention import metadata as attention
 
     return attention
 
@@ -198,7 +199,7 @@ def test_windowed_decode_keeps_only_blocks_inside_the_window(monkeypatch, window
 
 
 def test_windowed_decode_block_count_comes_from_bucket_and_window(attention):
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
     from vllm_gaudi_platform.attention.step_layout import plan_step
 
     lens = [3, 150, 200]

@@ -29,7 +29,8 @@ def _bidirectional_reference(q, k, v):
 def _run_encoder(query_lens, plan, seed=0):
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl, build_metadata
+    from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     layout = step_layout.plan_step(
@@ -93,7 +94,7 @@ def test_encoder_only_one_token_prompt_in_the_decode_part_is_its_own_value():
 def test_encoder_only_attention_refuses_a_sliding_window():
     from vllm.v1.attention.backend import AttentionType
 
-    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl
+    from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
 
     with pytest.raises(NotImplementedError, match="Encoder-only attention with a sliding window"):
         HPUAttentionImpl(HEADS, DIM, 1.0, sliding_window=8, attn_type=AttentionType.ENCODER_ONLY)

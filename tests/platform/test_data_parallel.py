@@ -130,7 +130,7 @@ def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch
 
 
 def test_idle_rank_metadata_is_all_padding():
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     plan = _plan()
     layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), plan)
@@ -153,7 +153,7 @@ class _IdleRank:
     `maxima` (the other ranks' all-reduce), the forward pass is recorded, not run."""
 
     def __init__(self, maxima: tuple[int, ...]) -> None:
-        from vllm_gaudi_platform.runner.model_runner import RecompileTracker
+        from vllm_gaudi_platform.runner.recompiles import RecompileTracker
 
         self.maxima = maxima
         self.recompiles = RecompileTracker(strict=False)

@@ -75,7 +75,7 @@ def _plan(prompt=(), decode=()):
 
 
 def _metadata(query_lens, ctx_lens, plan, table=None):
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     seq_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
     n = len(query_lens)
@@ -105,7 +105,7 @@ def _attention(md, window, real, seed=0):
     """One attention layer over a random KV cache and random new q/k/v; returns the output of
     the `real` tokens and the cache after the step's writes (blocks 1.., block 0 being the null
     block)."""
-    from vllm_gaudi_platform.attention.backend import HPUAttentionImpl
+    from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
 
     gen = torch.Generator().manual_seed(seed)
     impl = HPUAttentionImpl(
@@ -223,7 +223,7 @@ def test_a_single_row_prompt_bucket_gets_a_packed_variant_where_packing_changes_
 def test_warmup_layout_of_a_packed_variant_fills_the_bucket_with_two_sequences(
     emulated, ctx_blocks
 ):
-    from vllm_gaudi_platform.attention.backend import build_metadata
+    from vllm_gaudi_platform.attention.metadata import build_metadata
 
     bucket = Bucket("prompt", 1, 16, ctx_blocks)
     layout, seq_lens = step_layout.layout_for_bucket(bucket, BLOCK, packed=True)

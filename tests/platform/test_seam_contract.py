@@ -4,6 +4,10 @@
 every public top-level name (function, class, constant) and every function's parameters (names,
 kinds, default expressions). The Protocol is compared with the emulated backend, which imports on
 any machine. A kernel added to one backend and forgotten in the other fails here.
+
+`emulated.py` defines part of its API and re-exports the rest from its sibling `emulated_*.py`
+modules in the explicit form `from vllm_gaudi_platform.seam.<module> import name as name`; a name
+re-exported that way is read from the source of the module that defines it.
 """
 
 from __future__ import annotations
@@ -47,12 +51,26 @@ def _params(fn: ast.FunctionDef) -> tuple[Param, ...]:
     return tuple(out)
 
 
+SEAM_PACKAGE = contract.__name__.rpartition(".")[0]
+
+
 def public_api(source: str) -> dict[str, tuple[Param, ...] | str]:
     """Public top-level names of a module's source: functions map to their parameters, classes
-    and constants to "class" / "value"."""
+    and constants to "class" / "value". A name re-exported from a seam module (`from
+    vllm_gaudi_platform.seam.<module> import name as name`) is looked up in that module's source."""
     api: dict[str, tuple[Param, ...] | str] = {}
     for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{SEAM_PACKAGE}."):
+            reexported = [alias.name for alias in node.names if alias.asname == alias.name]
+            if reexported:
+                origin = node.module.rpartition(".")[2]
+                defined = public_api(_source(origin))
+                for name in reexported:
+                    assert name in defined, (
+                        f"{name} is re-exported from {origin}.py, not defined there"
+                    )
+                    api[name] = defined[name]
+        elif isinstance(node, ast.FunctionDef):
             api[node.name] = _params(node)
         elif isinstance(node, ast.ClassDef):
             api[node.name] = "class"
@@ -124,6 +142,13 @@ def test_a_changed_signature_is_reported():
         public_api(_source("gaudi")), public_api(emulated_src), "gaudi.py", "emulated.py"
     )
     assert len(problems) == 1 and problems[0].startswith("rms_norm signatures differ")
+
+
+def test_names_the_emulated_backend_re_exports_are_read_where_they_are_defined():
+    api = public_api(_source("emulated"))
+    assert api["fp8_gemm_v2"] == public_api(_source("emulated_quant"))["fp8_gemm_v2"]
+    # A plain import (no `as name`) is a dependency of the module, not part of its API.
+    assert "attention_with_sinks" not in api
 
 
 def test_the_protocol_lists_exactly_the_backends_public_api():

@@ -23,8 +23,8 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    accelerator answers them and nothing is patched. Can go when vLLM asks the platform
    (`current_platform.synchronize()` / `empty_cache()`) instead of torch.accelerator, or when
    torch.accelerator accepts the CPU as an accelerator.
-2. `torch.Event`, `torch.cuda.{Event, Stream, current_stream, stream}` (model_runner.py,
-   `_cuda_streams_on_seam`), routed to the seam's streams and events only while
+2. `torch.Event`, `torch.cuda.{Event, Stream, current_stream, stream}` (streams.py,
+   `cuda_streams_on_seam`), routed to the seam's streams and events only while
    `GPUModelRunner.__init__`, `execute_model` and `sample_tokens` run. Why: the constructor creates
    CUDA events and streams, and under async scheduling every step records an event after its
    input preparation and copies the sampled tokens to the host on a side stream
@@ -43,9 +43,33 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    input kernels of vLLM's EAGLE proposer (vllm/v1/spec_decode/utils.py), likewise by name; can go
    when the proposer prepares its inputs without Triton on non-CUDA platforms.
 
-Not process-wide but on the same list: `HPUModelRunner._share_host_buffers` (emulation only)
-points the device half of every `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at
-the host half. It relies on vLLM's naming conventions, checked by the `CONVENTIONS` below.
+4. neural-compressor's patched-module table (vllm_gaudi_quant/methods/inc.py,
+   `register_vllm_linears`, emulation's INC path only): vLLM's five parallel linear classes are
+   registered with `register_patched_module(cls, device_types="cpu")` as neural-compressor's own
+   vLLM-aware wrappers typed as plain linear layers. Why: neural-compressor's CPU path only patches
+   modules it knows by class name; on a Gaudi it registers these classes itself. Process-wide in
+   neural-compressor, once per process. Can go when neural-compressor's CPU table lists vLLM's
+   linear classes, or when CI runs INC's HPU flow over the Habana stand-in only. Checked below:
+   the registration helper's parameters and the three wrapper classes.
+
+Writes to objects of another project, not process-wide, on the same list:
+- `HPUModelRunner._share_host_buffers` (emulation only) points the device half of every
+  `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at the host half. It relies on
+  vLLM's naming conventions, checked by the `CONVENTIONS` below.
+- `scheduler_config.max_num_batched_tokens` is raised by `max_num_seqs` for the duration of
+  `GPUModelRunner.__init__` (runner/model_runner.py, `HPUModelRunner.__init__`), then restored:
+  a step holds a prefill part padded to the token budget plus a decode part padded to the batch
+  bucket, and the base runner sizes its token buffers from that field. Can go when vLLM sizes the
+  buffers from a platform hook. Checked: `GPUModelRunner.__init__` still reads the field.
+- `Attention._k_scale_float` / `_v_scale_float` (and the `_k_scale` / `_v_scale` buffers) are
+  written by INC's FP8 KV cache (vllm_gaudi_quant/methods/inc.py) with the measured scales. vLLM
+  keeps these on every attention layer (`set_default_quant_scales`); the HPU backend reads them.
+  Checked: `set_default_quant_scales` still sets all four.
+- `UnquantizedLinearMethod._gemm_impl` is replaced per layer method after loading
+  (runner/model_runner.py, `_route_linears_through_seam`), and an EAGLE drafter's
+  `build_per_group_and_layer_attn_metadata` / `_determine_batch_execution_and_padding` are
+  replaced on the drafter instance (runner/spec_decode.py, `DraftBucketing`). Both checked in
+  `UPSTREAM` (their names, parameters and the attributes they rely on).
 """
 
 from __future__ import annotations
@@ -486,11 +510,11 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
     Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),
     Upstream("torch:accelerator.synchronize", "platform.py routes it to the seam (emulation)"),
-    Upstream("torch:Event", "model_runner.py routes it to the seam (_cuda_streams_on_seam)"),
-    Upstream("torch:cuda.Stream", "model_runner.py routes it to the seam"),
-    Upstream("torch:cuda.Event", "model_runner.py routes it to the seam (drops `blocking`)"),
-    Upstream("torch:cuda.current_stream", "model_runner.py routes it to the seam"),
-    Upstream("torch:cuda.stream", "model_runner.py routes it to the seam"),
+    Upstream("torch:Event", "streams.py routes it to the seam (cuda_streams_on_seam)"),
+    Upstream("torch:cuda.Stream", "streams.py routes it to the seam"),
+    Upstream("torch:cuda.Event", "streams.py routes it to the seam (drops `blocking`)"),
+    Upstream("torch:cuda.current_stream", "streams.py routes it to the seam"),
+    Upstream("torch:cuda.stream", "streams.py routes it to the seam"),
     Upstream(
         "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.__init__",
         "HPUModelRunner.sample_tokens: under async scheduling this copies the sampled tokens on a "
@@ -622,7 +646,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuNixlConnectorWorker asks the remote rank vLLM's handshake asks first",
         params=("remote_tp_size", "remote_dcp_size"),
     ),
-    # --- multi-LoRA (lora.py: PunicaWrapperHPU; model_runner.py: LoRA warmup) -------------------
+    # --- multi-LoRA (lora.py: PunicaWrapperHPU; warmup.py: LoRA warmup) -------------------------
     Upstream(
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase._update_base_metadata",
         "PunicaWrapperHPU.update_metadata fills the per-token slots through it",
@@ -640,7 +664,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(
         "vllm.v1.worker.lora_model_runner_mixin:LoRAModelRunnerMixin._set_active_loras",
-        "HPUModelRunner._run_bucket activates the warmup adapters of each bucket",
+        "warmup.run_bucket activates the warmup adapters of each bucket",
         params=("prompt_lora_mapping", "token_lora_mapping", "lora_requests"),
     ),
     Upstream(
@@ -686,6 +710,40 @@ UPSTREAM: tuple[Upstream, ...] = (
         "vllm.config.vllm:VllmConfig",
         "metrics.channel_path: worker and API server name the channel after instance_id",
         mentions=("instance_id",),
+    ),
+    # --- writes to other projects' objects (the ledger in this module's docstring) -------------
+    Upstream(
+        f"{RUNNER}.__init__",
+        "HPUModelRunner.__init__ raises scheduler_config.max_num_batched_tokens while the base "
+        "runner sizes its token buffers from it",
+        mentions=("max_num_batched_tokens",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
+        "INC's FP8 KV cache (vllm_gaudi_quant/methods/inc.py) writes the measured scales into "
+        "_k_scale/_v_scale and _k_scale_float/_v_scale_float",
+        mentions=("_k_scale", "_v_scale", "_k_scale_float", "_v_scale_float"),
+    ),
+    Upstream(
+        "neural_compressor.torch.algorithms.fp8_quant:register_patched_module",
+        "inc.register_vllm_linears puts vLLM's linear classes in the CPU patched-module table",
+        params=("supported_float_module_types",),
+        keywords=("device_types",),
+    ),
+    *(
+        Upstream(
+            f"neural_compressor.torch.algorithms.fp8_quant._quant_common.helper_modules:{name}",
+            "inc.register_vllm_linears subclasses it for vLLM's linear classes",
+        )
+        for name in (
+            "PatchedColumnParallelLinear",
+            "PatchedRowParallelLinear",
+            "PatchedReplicatedLinear",
+        )
+    ),
+    Upstream(
+        "neural_compressor.torch.algorithms.fp8_quant.model_configs:ModuleType",
+        "inc.register_vllm_linears types its wrappers as linear modules",
     ),
 )
 
@@ -748,9 +806,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_share_host_buffers",
                 "finalize_calibration",
                 "warmup_model",
-                "_run_bucket",
                 "_forward_with_metadata",
-                "_forward_in_parts",
                 "_graph_forward",
                 "_graph_inputs",
                 "_static_metadata",
@@ -760,7 +816,6 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_agree_across_dp",
                 "_num_tokens_across_dp",
                 "execute_idle_dp_step",
-                "_intermediate_tensors_for",
                 "_route_linears_through_seam",
             }
         ),
@@ -771,7 +826,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate"}),
     ),
     Overriding(
-        f"{P}.attention.backend:HPUAttentionMetadataBuilder",
+        f"{P}.attention.metadata:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
     ),
     Overriding(f"{P}.attention.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),

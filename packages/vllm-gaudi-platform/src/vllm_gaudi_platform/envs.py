@@ -3,7 +3,7 @@
 Reading a variable goes through this module so that a bad value fails in one place, with a message
 that names the variable and the fix. Importing it is cheap: no torch, no vllm. `VARIABLES` is the
 one list: the README's settings table and `vllm-gaudi doctor` are checked against it, so a
-variable read anywhere in the wheels is declared here (the bucketing variables too; bucketing.py
+variable read anywhere in the wheels is declared here (the bucketing variables too; bucketing/
 validates them against the engine limits). vLLM's own variables (VLLM_PLUGINS, ...) are not ours
 and stay out.
 """
@@ -146,7 +146,7 @@ VLLM_GAUDI_MODEL_CACHE = _declare(
     kind="path",
 )
 
-# --- static-shape buckets (bucketing.py reads them; its docstring has the full rules) ---------
+# --- static-shape buckets (bucketing/ reads them; its __init__ docstring has the rules) -------
 # Intel's vllm-gaudi names and meanings, so an operator's settings carry over.
 VLLM_BUCKETING_STRATEGY = _declare(
     "VLLM_BUCKETING_STRATEGY",

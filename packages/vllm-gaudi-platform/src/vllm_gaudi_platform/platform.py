@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.logger import init_logger
@@ -33,8 +33,10 @@ class _Seam:
     read, which happens when the platform is activated, raises `backend()`'s message instead.
     """
 
+    active: Any = None  # the backend the platform was activated with (HpuPlatform.__init__)
+
     def __getattr__(self, name: str):
-        return getattr(backend(), name)
+        return getattr(_Seam.active or backend(), name)
 
 
 class _SeamConstant:
@@ -45,7 +47,7 @@ class _SeamConstant:
         self.name = name
 
     def __get__(self, obj: object, owner: type | None = None) -> str:
-        return getattr(backend(), self.name)
+        return getattr(_Seam.active or backend(), self.name)
 
 
 _seam = _Seam()
@@ -91,6 +93,9 @@ def _route_torch_accelerator_to_seam() -> None:
 
 
 def _activate(seam) -> None:
+    # From here on this process's platform answers from this backend, as vLLM's current_platform
+    # is resolved once per process: a later change of the environment does not move it.
+    _Seam.active = seam
     if seam.IS_EMULATED:
         _route_torch_accelerator_to_seam()
 

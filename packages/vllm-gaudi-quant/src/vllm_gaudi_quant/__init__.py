@@ -17,7 +17,8 @@ Layout (follow it when adding a method `<method>`):
 - `benchmarks/quant.py`: add a row to its METHODS table.
 
 Shared pieces: `methods/fp8.py` exposes `apply_fp8_linear` (FP8 weight [K, N] times activations
-quantized with `cast_to_fp8_v2`, through `fp8_gemm_v2`) for any method with FP8 weights.
+quantized with `cast_to_fp8_v2`, through `fp8_gemm_v2`; defined in `methods/fp8_linear.py`) and
+`HpuFp8MoEMethod` (FP8 experts; defined in `methods/fp8_moe.py`) for any method with FP8 weights.
 `methods/uint4.py` holds the 4-bit pieces: the repacking helpers, `Uint4LinearMethod` and
 `Uint4MoEMethod` (a new 4-bit format only creates its checkpoint's parameters and repacks them
 into `convert_from_uint4`'s layout), and `Uint4Config` (name and claiming of a checkpoint format).

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vllm_gaudi_platform.attention.backend import HPUAttentionMetadata
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.attention.step_layout import StepLayout
 from vllm_gaudi_platform.bucketing import Bucket, can_pack
 

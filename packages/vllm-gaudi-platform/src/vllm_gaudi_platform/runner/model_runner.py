@@ -3,14 +3,22 @@
 It reuses vLLM's device-neutral runner (input batch, scheduler bookkeeping, sampler) and owns what
 Gaudi needs: the step layout in bucketed static shapes (`step_layout.py`), the warmup of every
 bucket, and the count of shapes run after warmup that were not warmed ("recompiles").
+
+This module holds the runner class: construction, host/device buffers, KV cache and model
+loading (with the unquantized linears routed to the seam), the bucketed step, data-parallel
+agreement and the HPU graph replay. Beside it in `runner/`:
+
+- `warmup.py`: the warmup driver (`warmup_model`, one bucket's run and forward pass, progress log);
+- `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
+- `streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
+- `mixed_steps.py`: a mixed prefill + decode step run as two forward passes;
+- `hpu_graphs.py`, `data_parallel.py`, `spec_decode.py`, `lora.py`: the per-step helpers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,7 +26,7 @@ import torch
 import torch.distributed as dist
 from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
-from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context
+from vllm.forward_context import BatchDescriptor, get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
@@ -26,147 +34,17 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.attention import step_layout
-from vllm_gaudi_platform.attention.backend import HPUAttentionMetadata, build_metadata
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, plan_from_env, prefill_batch_max
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
+from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.observability.step_trace import TraceRecorder
-from vllm_gaudi_platform.runner import data_parallel, hpu_graphs, spec_decode
+from vllm_gaudi_platform.runner import data_parallel, hpu_graphs, mixed_steps, spec_decode, warmup
 from vllm_gaudi_platform.runner import lora as hpu_lora
+from vllm_gaudi_platform.runner.recompiles import RecompileTracker
+from vllm_gaudi_platform.runner.streams import cuda_streams_on_seam
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
-
-# Warmup progress goes to the log (not only a tqdm bar) at least this often, and at every tenth
-# of the plan, so a supervisor reading the log sees it advance.
-WARMUP_LOG_INTERVAL_S = 10.0
-# Buckets warmed before the first estimate of the total warmup time.
-WARMUP_ESTIMATE_AFTER = 3
-
-
-class RecompileError(RuntimeError):
-    """A forward pass ran a shape that warmup did not cover while VLLM_FULL_WARMUP=true."""
-
-
-class RecompileTracker:
-    """Counts forward-pass shapes run after warmup that warmup did not run, and the buckets run
-    after warmup per phase (prompt, decode, verify)."""
-
-    def __init__(self, strict: bool) -> None:
-        self.strict = strict
-        self.warmed: set[Bucket] = set()
-        self.warmup_done = False
-        self.count = 0
-        self.seen: list[Bucket] = []
-        self.hits: dict[str, int] = {}
-
-    def record(self, layout: step_layout.StepLayout) -> None:
-        if not self.warmup_done:
-            return
-        for bucket in layout.buckets:
-            self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
-            if bucket in self.warmed:
-                continue
-            self.count += 1
-            self.seen.append(bucket)
-            logger.warning(
-                "Recompile #%d: %s bucket bs=%d query=%d ctx_blocks=%d was not warmed up",
-                self.count,
-                bucket.phase,
-                bucket.batch_size,
-                bucket.query_len,
-                bucket.ctx_blocks,
-            )
-            if self.strict:
-                raise RecompileError(
-                    f"{bucket} was not warmed up and {envs.VLLM_FULL_WARMUP}=true forbids "
-                    "recompiles after warmup; widen the bucket ranges (VLLM_*_BUCKET_MAX) or "
-                    "unset VLLM_FULL_WARMUP."
-                )
-            self.warmed.add(bucket)  # compiled once now; later runs reuse it
-
-
-@contextlib.contextmanager
-def _cuda_streams_on_seam() -> Iterator[None]:
-    """Route the CUDA stream/event API that vLLM's runner calls to the seam's streams and events.
-
-    The constructor makes events and streams; under async scheduling each step also records an
-    event on the input preparation and copies the sampled tokens to the host on a side stream
-    (`AsyncGPUModelRunnerOutput`). On a Gaudi these become HPU streams and events; in emulation
-    the seam's are exact for a CPU that finishes every op before returning.
-    """
-    seam = seam_backend()
-
-    def event(*args: Any, blocking: bool | None = None, **kwargs: Any) -> Any:
-        # CUDA's `blocking` (sleep rather than spin while waiting) has no HPU counterpart.
-        return seam.Event(*args, **kwargs)
-
-    patched = {
-        (torch, "Event"): seam.Event,
-        (torch.cuda, "Event"): event,
-        (torch.cuda, "Stream"): seam.Stream,
-        (torch.cuda, "current_stream"): seam.current_stream,
-        (torch.cuda, "stream"): seam.stream,
-    }
-    # Process-wide, for the duration of the call only (see the ledger in the drift guard).
-    saved = {key: getattr(*key) for key in patched}
-    for (module, name), value in patched.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for (module, name), value in saved.items():
-            setattr(module, name, value)
-
-
-class _WarmupProgress:
-    """Plain warmup progress lines for a supervisor reading the log (a tqdm bar is not one)."""
-
-    def __init__(self, total: int, start: float) -> None:
-        self.total = total
-        self.start = self.last_log = start
-        self.done = 0
-        self.next_tenth = 1
-
-    def step(self) -> None:
-        self.done += 1
-        done, total = self.done, self.total
-        now = time.perf_counter()
-        elapsed = now - self.start
-        left = elapsed / done * (total - done)
-        if done == WARMUP_ESTIMATE_AFTER and done < total:
-            logger.info(
-                "HPU warmup: estimated %.1f s in total from the first %d buckets (%.2f s each; "
-                "later buckets are larger, so this is a lower bound)",
-                elapsed + left,
-                done,
-                elapsed / done,
-            )
-        tenth = done * 10 >= self.next_tenth * total
-        if done == total or tenth or now - self.last_log >= WARMUP_LOG_INTERVAL_S:
-            logger.info(
-                "HPU warmup progress: %d/%d buckets, %.1f s elapsed, ~%.1f s left",
-                done,
-                total,
-                elapsed,
-                left,
-            )
-            self.last_log = now
-            self.next_tenth = done * 10 // total + 1
-
-
-def _scatter_tokens(out: Any, tokens: torch.Tensor, total: int, into: Any = None) -> Any:
-    """Write one pass's forward output (hidden states, or EAGLE-3's (hidden, [aux...])) rows
-    0..len(tokens) to rows `tokens` of `into`, a zero tensor of the step's padded token count
-    made on first use."""
-    if isinstance(out, torch.Tensor):
-        if into is None:
-            into = out.new_zeros((total, *out.shape[1:]))
-        into[tokens] = out[: tokens.shape[0]]
-        return into
-    if isinstance(out, (tuple, list)):
-        targets = into if into is not None else [None] * len(out)
-        return type(out)(_scatter_tokens(o, tokens, total, t) for o, t in zip(out, targets))
-    raise TypeError(f"unexpected forward output {type(out).__name__} in a split mixed step")
 
 
 class HPUModelRunner(GPUModelRunner):
@@ -179,7 +57,7 @@ class HPUModelRunner(GPUModelRunner):
         budget = sched.max_num_batched_tokens
         sched.max_num_batched_tokens = budget + sched.max_num_seqs
         try:
-            with _cuda_streams_on_seam():
+            with cuda_streams_on_seam():
                 super().__init__(vllm_config, device)
         finally:
             sched.max_num_batched_tokens = budget
@@ -374,7 +252,7 @@ class HPUModelRunner(GPUModelRunner):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._planning = True
         try:
-            with _cuda_streams_on_seam():
+            with cuda_streams_on_seam():
                 return super().execute_model(scheduler_output, intermediate_tensors)
         finally:
             self._planning = False
@@ -384,7 +262,7 @@ class HPUModelRunner(GPUModelRunner):
         """vLLM's sampling step; under async scheduling it returns before the sampled tokens
         reach the host (an `AsyncGPUModelRunnerOutput` copying them on a side stream) and keeps
         them on the device for the next step's input ids."""
-        with _cuda_streams_on_seam():
+        with cuda_streams_on_seam():
             return super().sample_tokens(grammar_output)
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
@@ -496,7 +374,9 @@ class HPUModelRunner(GPUModelRunner):
             layout = step_layout.current()
             if layout is not None and layout.parts is not None:
                 assert positions is not None
-                split = self._forward_in_parts(layout, input_ids, positions)
+                split = mixed_steps.forward_in_parts(
+                    self, layout, input_ids, positions, super()._model_forward
+                )
                 if split is not None:
                     return split
             entry = self.graphs.lookup(layout, get_forward_context().attn_metadata)
@@ -517,64 +397,6 @@ class HPUModelRunner(GPUModelRunner):
             step_metadata,
             lambda static: self._graph_inputs(ids, pos, static),
         )
-
-    def _forward_in_parts(
-        self, layout: step_layout.StepLayout, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> Any:
-        """A mixed step as two forward passes, the prefill part's bucket then the decode part's,
-        each replaying its own graph (or eager without one); None when the step's metadata was
-        not built in parts (then the step runs as one pass).
-
-        Each pass reads its own tokens at the front of vLLM's persistent token buffers (where its
-        graph was captured); the buffers get the step's tokens back afterwards, since vLLM reads
-        them again (drafting). The hidden states come back in the step's token order, padding
-        rows zero, so vLLM's logits and pooling indices are unchanged.
-        """
-        context = get_forward_context()
-        step_md = context.attn_metadata
-        split = layout.parts
-        assert isinstance(step_md, dict) and split is not None
-        if positions.dim() != 1 or any(
-            not isinstance(md, HPUAttentionMetadata) or md.parts is None for md in step_md.values()
-        ):
-            return None
-        saved_ids, saved_pos = input_ids.clone(), positions.clone()
-        saved_padding = context.is_padding
-        passes = (
-            (split.prefill, split.prefill_tokens),
-            (split.decode, split.decode_tokens),
-        )
-        merged: Any = None
-        try:
-            # The step's padding mask (vLLM's MoE may skip padded tokens) is for one pass.
-            context.is_padding = None
-            for index, (part, token_list) in enumerate(passes):
-                tokens = torch.tensor(token_list, dtype=torch.int64, device=input_ids.device)
-                n, total = len(token_list), part.num_tokens_padded
-                ids, pos = input_ids[:total], positions[:total]
-                ids[:n].copy_(saved_ids[tokens])
-                ids[n:].zero_()
-                pos[:n].copy_(saved_pos[tokens])
-                pos[n:].zero_()
-                part_md = {name: md.parts[index] for name, md in step_md.items()}
-                context.attn_metadata = part_md  # type: ignore[assignment]
-                step_layout.set_current(part)
-                entry = self.graphs.lookup(part, part_md)
-                if entry is not None:
-                    out = self.graphs.replay(
-                        entry, part_md, functools.partial(self._graph_inputs, ids, pos)
-                    )
-                else:
-                    out = super()._model_forward(input_ids=ids, positions=pos)
-                merged = _scatter_tokens(out, tokens, input_ids.shape[0], merged)
-        finally:
-            context.attn_metadata = step_md
-            context.is_padding = saved_padding
-            step_layout.set_current(layout)
-            input_ids.copy_(saved_ids)
-            positions.copy_(saved_pos)
-        self.split_steps += 1
-        return merged
 
     def _graph_forward(
         self,
@@ -631,168 +453,20 @@ class HPUModelRunner(GPUModelRunner):
         start = time.perf_counter()
         num_blocks = self.cache_config.num_gpu_blocks or 0
         for buckets, packed in keys:
-            self._run_bucket(buckets[0], num_blocks, packed=packed)
+            warmup.run_bucket(self, buckets[0], num_blocks, packed=packed)
         logger.info("HPU graphs: %d recaptured in %.2f s", len(keys), time.perf_counter() - start)
 
-    # ------------------------------------------------------------------ warmup
+    # ------------------------------------------------------------------ warmup (warmup.py)
     def warmup_model(self) -> None:
-        """Run every bucket of the plan once, so serving never meets a new shape; with HPU
-        graphs on, that run captures the bucket's graph.
-
-        The plan (bucket and graph count) is logged before the first bucket, an estimate of the
-        total time after the first few, and progress lines (done/total, elapsed, time left) at
-        least every WARMUP_LOG_INTERVAL_S seconds and at every tenth of the plan.
-        """
-        logger.info("HPU bucket plan:\n%s", self.bucket_plan.describe())
-        if envs.get_bool(envs.VLLM_SKIP_WARMUP):
-            logger.warning(
-                "%s=true: warmup skipped; first steps will compile", envs.VLLM_SKIP_WARMUP
-            )
-            self.recompiles.warmup_done = True
-            return
-        # Each bucket once, then the packed-prefill variant of the single-row prompt buckets
-        # where packing changes the attention branch (a shape of its own on a Gaudi).
-        runs = [(b, False) for b in (*self.bucket_plan.prompt, *self.bucket_plan.decode)]
-        runs += [(b, True) for b in self.bucket_plan.prompt if self.graphs.needs_packed_variant(b)]
-        num_blocks = self.cache_config.num_gpu_blocks or 0
-        total = len(runs)
-        logger.info(
-            "HPU warmup plan: %d runs (%d prompt, %d decode buckets, %d packed-prefill "
-            "variants), %s",
-            total,
-            len(self.bucket_plan.prompt),
-            len(self.bucket_plan.decode),
-            total - len(self.bucket_plan.prompt) - len(self.bucket_plan.decode),
-            f"capturing {total} HPU graphs" if self.graphs.enabled else "no HPU graphs",
-        )
-        start = time.perf_counter()
-        progress_log = _WarmupProgress(total, start)
-        try:
-            from tqdm import tqdm
-
-            progress = tqdm(runs, desc="HPU warmup", unit="bucket", leave=False)
-        except ImportError:  # tqdm comes with vLLM; keep working without it
-            progress = runs
-        # With LoRA on, every bucket runs with max_loras dummy adapters loaded (removed after).
-        with self.maybe_setup_dummy_loras(self.lora_config):
-            for bucket, packed in progress:
-                self._run_bucket(bucket, num_blocks, packed=packed)
-                self.recompiles.warmed.add(bucket)
-                progress_log.step()
-        if self.lora_config:
-            self.lora_warmed_shapes = set(hpu_lora.punica_wrapper_of(self.lora_manager).shapes)
-        self.seam.synchronize()
-        self.warmup_seconds = time.perf_counter() - start
-        self.recompiles.warmup_done = True
-        graphs = getattr(getattr(self, "graphs", None), "graphs", None)  # HPU graphs, if any
-        self.step_metrics.set_warmup(self.warmup_seconds, len(graphs) if graphs else 0)
-        logger.info(
-            "HPU warmup: %d prompt + %d decode buckets in %.2f s; %d HPU graphs captured in %.2f s",
-            len(self.bucket_plan.prompt),
-            len(self.bucket_plan.decode),
-            self.warmup_seconds,
-            self.graphs.stats.captured,
-            self.graphs.stats.capture_seconds,
-        )
-
-    @torch.no_grad()
-    def _run_bucket(self, bucket: Bucket, num_blocks: int, *, packed: bool = False) -> None:
-        block_size = self.block_size
-        layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size, packed=packed)
-        n = len(seq_lens)
-        if self.lora_config:
-            self._set_active_loras(
-                *hpu_lora.warmup_mapping(layout.query_lens, self.lora_config.max_loras)
-            )
-        # Every warmup sequence reads and writes block 0, the null block that vLLM never hands
-        # to a request, so warmup cannot disturb cached data.
-        max_blocks = max(-(-s // block_size) for s in seq_lens)
-        block_table = torch.zeros(n, max_blocks, dtype=torch.int32)
-        total = layout.num_tokens_padded
-        num_real = sum(layout.query_lens)
-        slot_mapping = torch.zeros(num_real, dtype=torch.int64, device=self.device)
-        metadata = build_metadata(
-            layout=layout,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            block_size=block_size,
-            device=self.device,
-        )
-        self._forward_with_metadata(metadata, total, n)
-        if self.draft_bucketing is not None:
-            # The draft head runs on every bucket too (its passes use the target's buckets).
-            layers = self._attention_layer_names()
-            self.draft_bucketing.warm(dict.fromkeys(layers, metadata), total)
+        """Run every bucket of the plan once (warmup.py, `warmup_model`)."""
+        warmup.warmup_model(self)
 
     def _forward_with_metadata(
         self, metadata: HPUAttentionMetadata, total: int, n: int, *, capture: bool | None = None
     ) -> None:
-        """Warmup's forward pass of one bucket; with HPU graphs on (unless `capture` is False),
-        the capture of its graph. `n` sequences get logits (none for a padding-only step)."""
-        input_ids = self.input_ids.gpu[:total]
-        positions = self.positions[:total]
-        pp = get_pp_group()
-        # A pipeline stage after the first takes the previous stage's hidden states: warm it with
-        # intermediate tensors of the bucket's padded token count, as serving steps pass them.
-        intermediate = None if pp.is_first_rank else self._intermediate_tensors_for(total)
-        capture = self.graphs.enabled if capture is None else capture and self.graphs.enabled
-        if capture:
-            attn_metadata = self._static_metadata(metadata)
-        else:
-            attn_metadata = {name: metadata for name in self._attention_layer_names()}
-        with set_forward_context(
-            attn_metadata,
-            self.vllm_config,
-            num_tokens=total,
-            num_tokens_across_dp=self._num_tokens_across_dp(total),
-            cudagraph_runtime_mode=CUDAGraphMode.NONE,
-        ):
-            if capture:
-                if not self.graphs.graphs:
-                    # Allocated once; sleep mode moves them, and then recapture_graphs runs.
-                    self._graph_weights = dict(self.model.named_parameters())
-                buckets = metadata.layout.buckets
-                name = " + ".join(str(b) for b in buckets)
-                start = time.perf_counter()
-                hidden = self.graphs.capture(
-                    (buckets, metadata.prefill_packed),
-                    self.seam.Graph(f"{name} packed" if metadata.prefill_packed else name),
-                    self._graph_forward(input_ids, positions, attn_metadata),
-                    self._graph_inputs(input_ids, positions, attn_metadata),
-                    attn_metadata,
-                )
-                self.seam.synchronize()
-                self.graphs.stats.capture_seconds += time.perf_counter() - start
-            else:
-                hidden = self.model(
-                    input_ids=input_ids,
-                    positions=positions,
-                    intermediate_tensors=intermediate,
-                )
-        if not pp.is_last_rank:
-            # A stage before the last returns intermediate tensors; the LM head is not on it.
-            self.seam.mark_step()
-            return
-        if isinstance(hidden, tuple):
-            hidden = hidden[0]
-        if not self.is_pooling_model and n:
-            # A pooling model has no LM head: its pooler reads the hidden states per request
-            # after the padded forward pass, so warmup has nothing more to run for it.
-            logits = self.model.compute_logits(hidden[:n])
-            del logits
-        self.seam.mark_step()
-
-    def _intermediate_tensors_for(self, num_tokens: int) -> Any:
-        """The runner's receive buffers for the previous stage's tensors, `num_tokens` long
-        (allocated once at the runner's largest token count, as vLLM's runner does)."""
-        if getattr(self, "intermediate_tensors", None) is None:
-            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
-                batch_size=self.max_num_tokens,
-                dtype=self.model_config.dtype,
-                device=self.device,
-            )
-        return self.sync_and_gather_intermediate_tensors(num_tokens, None, False)
+        """Warmup's forward pass of one bucket, and an idle DP rank's padding-only step
+        (warmup.py, `forward_with_metadata`)."""
+        warmup.forward_with_metadata(self, metadata, total, n, capture=capture)
 
     def lora_unwarmed_shapes(self) -> list[tuple]:
         """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""

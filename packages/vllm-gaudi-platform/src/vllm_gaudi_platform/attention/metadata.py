@@ -1,0 +1,403 @@
+"""The HPU attention metadata: the index tensors one step's attention reads, all of shapes fixed
+by the step's buckets, and how they are built from the step layout (`step_layout.py`).
+
+- `HPUAttentionMetadata`: the step's tensors, and per layer the narrowing of the block gathers to
+  a sliding window (`prefill_keys_for`, `decode_blocks_for`, bounded by `window_blocks`) and the
+  boolean mask of each prefill query slice (`prefill_slice_mask`);
+- `build_metadata`: a planned `StepLayout` turned into those tensors, vectorized in numpy on the
+  host, every step; `HPUAttentionMetadataBuilder` is vLLM's way in.
+
+The decoder attention (`impl.py`) and latent attention (`mla.py`) both read this metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import torch
+from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+
+from vllm_gaudi_platform.attention import step_layout
+
+
+@dataclass
+class HPUAttentionMetadata:
+    """Everything one step's attention needs; all tensors have bucket-determined shapes."""
+
+    # vLLM's MLA layer splits a step by these counts; the HPU MLA backend (mla.py) takes every
+    # token in one call, the step's parts laid out as below, so it reports no decode tokens.
+    num_decodes: ClassVar[int] = 0
+    num_decode_tokens: ClassVar[int] = 0
+    num_prefills: ClassVar[int] = 1
+
+    layout: step_layout.StepLayout
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_actual_tokens] flat cache slot of each real token
+    cell_to_token: torch.Tensor  # [num_tokens_padded] flat token index of each layout cell
+    token_to_cell: torch.Tensor  # [num_tokens_padded] inverse permutation
+    identity_layout: bool = False  # cells already in token order: no reordering needed
+    # prefill part (None when the step has none)
+    prefill_ctx_blocks: torch.Tensor | None = None  # [rows, ctx_bucket] block ids
+    # Owner of each query cell / key column: the request index; -2 for unused context slots; a
+    # padding query cell and its own key column share a unique negative id (it sees only itself).
+    prefill_q_seq: torch.Tensor | None = None  # [rows, q_bucket]
+    prefill_k_seq: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
+    # Per context block slot: owner's first new position minus the block's last position (huge
+    # for unused slots). A window w reaches into the block iff this is below w.
+    prefill_ctx_lag: torch.Tensor | None = None  # [rows, ctx_bucket]
+    prefill_valid_lens: torch.Tensor | None = None  # [rows] new tokens per row (>= 1)
+    # Some row holds more than one sequence: the causal fast path and window narrowing are off.
+    prefill_packed: bool = False
+    # decode part (None when the step has none)
+    decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
+    decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
+    decode_block_usage: torch.Tensor | None = None  # [num_blocks_bucket] used slots (0: padding)
+    # Absolute positions (masks are built per slice, per window, from these)
+    prefill_q_pos: torch.Tensor | None = None  # [rows, q_bucket]
+    prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
+    decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
+    decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
+    # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
+    # decode pass's own metadata, each laid out over its own tokens only.
+    parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
+    # Per (part, window): the narrowed gather of that window, built on first use; ("decode", 0)
+    # holds the unwindowed decode slot bias, built from decode_block_usage.
+    _windowed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+
+    def prefill_causal_only(self) -> bool:
+        """True when plain causal attention over each row's own new tokens is the whole mask:
+        one sequence per row and no context in the bucket."""
+        p = self.layout.prefill
+        return p is not None and p.ctx_bucket == 0 and not self.prefill_packed
+
+    def prefill_keys_for(
+        self, window: int | None, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Context blocks to gather, and owner and position of every key column (context then
+        new tokens), for a layer with `window` (None: every context block).
+
+        With a window and one sequence per row, only `window_blocks(window, block_size)` blocks
+        per row are gathered (fewer when the bucket has fewer): the last blocks of the row's
+        sequence that reach into the window of its first new token. Which blocks depends on the
+        data; how many does not.
+        """
+        assert self.prefill_ctx_blocks is not None and self.prefill_k_seq is not None
+        assert self.prefill_k_pos is not None and self.prefill_ctx_lag is not None
+        blocks, k_seq, k_pos = self.prefill_ctx_blocks, self.prefill_k_seq, self.prefill_k_pos
+        cb = blocks.shape[1]
+        if window is None or self.prefill_packed:
+            return blocks, k_seq, k_pos
+        keep = min(cb, window_blocks(window, block_size))
+        if keep == cb:
+            return blocks, k_seq, k_pos
+        key = ("prefill", window)
+        if key not in self._windowed:
+            # A row's sequence owns slots [0, n); the blocks wholly behind the window are a prefix
+            # of those. Start after that prefix, moved left so the slice stays inside the bucket.
+            lag = self.prefill_ctx_lag
+            behind = ((lag >= window) & (lag < _UNUSED_LAG)).sum(dim=1)
+            start = behind.clamp(max=cb - keep)
+            slots = start[:, None] + torch.arange(keep, device=blocks.device)  # [rows, keep]
+            chosen = blocks.gather(1, slots)
+            cols = slots[:, :, None] * block_size + torch.arange(block_size, device=blocks.device)
+            cols = cols.reshape(blocks.shape[0], keep * block_size)
+            new = slice(cb * block_size, None)
+            sel_seq = torch.cat([k_seq.gather(1, cols), k_seq[:, new]], dim=1)
+            sel_pos = torch.cat([k_pos.gather(1, cols), k_pos[:, new]], dim=1)
+            self._windowed[key] = (chosen, sel_seq, sel_pos)
+        return self._windowed[key]
+
+    def prefill_slice_mask(
+        self, q0: int, q1: int, k_seq: torch.Tensor, k_pos: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the given key
+        columns: same owner, not in the future, and (with a window) fewer than `window`
+        positions behind."""
+        assert self.prefill_q_seq is not None and self.prefill_q_pos is not None
+        q_seq = self.prefill_q_seq[:, q0:q1, None]
+        q_pos = self.prefill_q_pos[:, q0:q1, None]
+        k_pos = k_pos[:, None, :]
+        mask = (q_seq == k_seq[:, None, :]) & (k_pos <= q_pos)
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        return mask[:, None]
+
+    def decode_blocks_for(
+        self, window: int | None, batch_bucket: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block list, block groups and slot bias of the decode part for a layer with `window`.
+
+        The slot bias [entries, block_size] is 0 on a block's used slots and -inf past them: it
+        is built on the device from the per-block usage, once per step (the host sends one
+        integer per block, not a row of floats). With a window, blocks wholly behind it are
+        dropped: the list keeps `batch_bucket * window_blocks(window, block_size)` entries (or
+        the bucket's count if smaller), the blocks that reach into some sequence's window first,
+        padding after; the slot bias is -inf also on slots `window` or more positions behind the
+        query.
+        """
+        blocks, groups, usage = (
+            self.decode_block_list,
+            self.decode_block_groups,
+            self.decode_block_usage,
+        )
+        assert blocks is not None and groups is not None and usage is not None
+        key = ("decode", window or 0)
+        if key in self._windowed:
+            return self._windowed[key]
+        slot = torch.arange(block_size, device=usage.device)
+        if window is None:
+            bias = torch.zeros(usage.numel(), block_size, device=usage.device)
+            bias.masked_fill_(slot[None, :] >= usage[:, None], float("-inf"))
+            self._windowed[key] = (blocks, groups, bias)
+            return self._windowed[key]
+        _, _, bias = self.decode_blocks_for(None, batch_bucket, block_size)
+        assert self.decode_block_start is not None and self.decode_query_pos is not None
+        nb = bias.shape[0]
+        pos = self.decode_block_start[:, None] + slot[None, :]
+        far = self.decode_query_pos[:, None] - pos >= window
+        bias = bias.masked_fill(far, float("-inf"))
+        keep = min(nb, batch_bucket * window_blocks(window, block_size))
+        if keep < nb:
+            # A block reaches into the window iff some used slot is not behind it; each
+            # sequence has at most window_blocks such blocks, so `keep` holds them all.
+            # Stable order puts them first; the rest of the kept entries are padding or
+            # blocks whose slots the bias masks anyway.
+            inside = (bias > float("-inf")).any(dim=1) & (groups < batch_bucket)
+            order = torch.argsort((~inside).to(torch.int8), stable=True)[:keep]
+            blocks, groups, bias = blocks[order], groups[order], bias[order]
+            # Padding entries that survive the cut: no group, every slot masked.
+            pad = ~inside[order]
+            groups = groups.masked_fill(pad, batch_bucket)
+            bias = bias.masked_fill(pad[:, None], float("-inf"))
+        self._windowed[key] = (blocks, groups, bias)
+        return self._windowed[key]
+
+
+_UNUSED_LAG = 1 << 40  # prefill_ctx_lag of context slots no sequence uses
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """Most blocks a window of `window` positions can touch: the `window - 1` positions before a
+    query plus the query's own, at any offset inside a block."""
+    return -(-(window - 1) // block_size) + 1
+
+
+class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]):
+    # No batch reordering: the step layout takes each part's requests wherever they sit in the
+    # batch (step_layout.plan_step), so vLLM's decodes-first sort would only cost host time.
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> HPUAttentionMetadata:
+        cm = common_attn_metadata
+        num_reqs = cm.num_reqs
+        query_lens = np.diff(cm.query_start_loc_cpu[: num_reqs + 1].numpy()).tolist()
+        seq_lens = _seq_lens_cpu(cm, num_reqs)
+        block_table = cm.block_table_tensor[:num_reqs].cpu()
+        layout = step_layout.current()
+        if layout is None or layout.query_lens != tuple(query_lens):
+            # Not planned by the HPU runner (a profiling or dummy run): use the exact shape.
+            layout = step_layout.plan_step(
+                query_lens=query_lens,
+                seq_lens=seq_lens,
+                block_size=self.block_size,
+                plan=None,
+            )
+        return build_metadata(
+            layout=layout,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+            block_size=self.block_size,
+            device=self.device,
+        )
+
+
+def _seq_lens_cpu(cm: CommonAttentionMetadata, num_reqs: int) -> list[int]:
+    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    src = upper if upper is not None else cm.seq_lens
+    return src[:num_reqs].tolist()  # an integer tensor: Python ints already
+
+
+_NO_TOKENS = torch.empty(0, dtype=torch.int64)
+
+
+def build_metadata(
+    *,
+    layout: step_layout.StepLayout,
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> HPUAttentionMetadata:
+    """Turn a planned step layout into the index tensors the attention kernels consume.
+
+    All index arithmetic is vectorized in numpy (one pass per part, no per-sequence tensor ops):
+    it runs every step, on the host, before the forward pass.
+    """
+    query_lens = np.asarray(layout.query_lens, dtype=np.int64)
+    seq = np.asarray(seq_lens, dtype=np.int64)
+    ctx_lens = seq - query_lens
+    starts = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=starts[1:])
+    total = layout.num_tokens_padded
+    table = block_table.numpy()  # block ids (int32 from vLLM), gathered into int64 arrays
+    cell_to_token = np.full(total, -1, dtype=np.int64)
+
+    md = HPUAttentionMetadata(
+        layout=layout,
+        num_actual_tokens=int(starts[-1]),
+        slot_mapping=slot_mapping,
+        cell_to_token=_NO_TOKENS,  # both set below, once the layout's cells are all known
+        token_to_cell=_NO_TOKENS,
+    )
+
+    prefill = layout.prefill
+    if prefill is not None:
+        rows, qb, cb = prefill.rows, prefill.query_bucket, prefill.ctx_bucket
+        kv_len = cb * block_size + qb
+        members = np.array([i for row in prefill.row_members for i in row], dtype=np.int64)
+        # Rows past row_members are padding rows of the bucket.
+        row_sizes = [len(row) for row in prefill.row_members]
+        row_of = np.repeat(np.arange(len(row_sizes), dtype=np.int64), row_sizes)
+        q = query_lens[members]
+        c = ctx_lens[members]
+        n_blk = -(-c // block_size)
+        # Offsets of each member inside its row: query columns and context blocks.
+        col = _offsets_within_rows(q, row_of)
+        blk = _offsets_within_rows(n_blk, row_of)
+
+        # Context blocks: row r holds its members' blocks back to back.
+        ctx_blocks = np.zeros((rows, max(cb, 0)), dtype=np.int64)
+        m_rep = np.repeat(np.arange(len(members)), n_blk)
+        j = np.arange(m_rep.size) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
+        if n_blk.sum():
+            ctx_blocks[row_of[m_rep], blk[m_rep] + j] = table[members[m_rep], j]
+
+        # Owner (-1: padding) and absolute position of every query cell and key slot.
+        q_seq = np.full((rows, qb), -1, dtype=np.int64)
+        q_pos = np.zeros((rows, qb), dtype=np.int64)
+        k_seq = np.full((rows, kv_len), -2, dtype=np.int64)
+        k_pos = np.zeros((rows, kv_len), dtype=np.int64)
+        t_rep = np.repeat(np.arange(len(members)), q)  # member of each new token
+        t_off = np.arange(t_rep.size) - np.repeat(np.cumsum(q) - q, q)
+        r_t, col_t = row_of[t_rep], col[t_rep] + t_off
+        q_seq[r_t, col_t] = members[t_rep]
+        q_pos[r_t, col_t] = c[t_rep] + t_off
+        k_seq[r_t, cb * block_size + col_t] = members[t_rep]
+        k_pos[r_t, cb * block_size + col_t] = c[t_rep] + t_off
+        cell_to_token[r_t * qb + col_t] = starts[members[t_rep]] + t_off
+        c_rep = np.repeat(np.arange(len(members)), c)  # member of each cached token
+        c_off = np.arange(c_rep.size) - np.repeat(np.cumsum(c) - c, c)
+        k_seq[row_of[c_rep], blk[c_rep] * block_size + c_off] = members[c_rep]
+        k_pos[row_of[c_rep], blk[c_rep] * block_size + c_off] = c_off
+
+        # Padding queries attend to their own (padding) key only: finite, and never read. A
+        # per-column negative id shared by the cell and its key column says so in the mask.
+        pad_r, pad_c = np.nonzero(q_seq < 0)
+        q_seq[pad_r, pad_c] = -3 - pad_c
+        k_seq[pad_r, cb * block_size + pad_c] = -3 - pad_c
+
+        # Lag of each context block: first new position of its owner minus its last position.
+        lag = np.full((rows, max(cb, 0)), _UNUSED_LAG, dtype=np.int64)
+        if n_blk.sum():
+            last = np.minimum((j + 1) * block_size, c[m_rep]) - 1
+            lag[row_of[m_rep], blk[m_rep] + j] = c[m_rep] - last
+        valid = np.full(rows, qb, dtype=np.int64)  # padding rows: any length >= 1 stays finite
+        valid[row_of] = 0
+        np.add.at(valid, row_of, q)
+
+        md.prefill_packed = any(len(row) > 1 for row in prefill.row_members)
+        md.prefill_ctx_blocks = torch.from_numpy(ctx_blocks).to(device)
+        md.prefill_q_seq = torch.from_numpy(q_seq).to(device)
+        md.prefill_k_seq = torch.from_numpy(k_seq).to(device)
+        md.prefill_q_pos = torch.from_numpy(q_pos).to(device)
+        md.prefill_k_pos = torch.from_numpy(k_pos).to(device)
+        md.prefill_ctx_lag = torch.from_numpy(lag).to(device)
+        md.prefill_valid_lens = torch.from_numpy(valid).to(device)
+
+    decode = layout.decode
+    if decode is not None:
+        base = prefill.rows * prefill.query_bucket if prefill is not None else 0
+        nb = decode.blocks_bucket
+        members = np.asarray(decode.members, dtype=np.int64)
+        lens = seq[members]
+        n_blk = -(-lens // block_size)
+        used = int(n_blk.sum())
+        m_rep = np.repeat(np.arange(len(members)), n_blk)
+        j = np.arange(used) - np.repeat(np.cumsum(n_blk) - n_blk, n_blk)
+        block_list = np.zeros(nb, dtype=np.int64)
+        block_list[:used] = table[members[m_rep], j]
+        groups = np.full(nb, decode.batch_bucket, dtype=np.int64)
+        groups[:used] = m_rep
+        usage = np.zeros(nb, dtype=np.int64)
+        usage[:used] = block_size
+        usage[np.cumsum(n_blk) - 1] = lens - (n_blk - 1) * block_size
+        if prefill is not None:  # decode only: the cells are the tokens (set below)
+            cell_to_token[base + np.arange(len(members))] = starts[members]
+        md.decode_block_list = torch.from_numpy(block_list).to(device)
+        md.decode_block_groups = torch.from_numpy(groups).to(device)
+        md.decode_block_usage = torch.from_numpy(usage).to(device)
+        start = np.zeros(nb, dtype=np.int64)
+        start[:used] = j * block_size
+        query_pos = np.zeros(nb, dtype=np.int64)
+        query_pos[:used] = lens[m_rep] - 1
+        md.decode_block_start = torch.from_numpy(start).to(device)
+        md.decode_query_pos = torch.from_numpy(query_pos).to(device)
+
+    if prefill is None:
+        # Decode only: every request is a decode member, in batch order, and the padding cells
+        # follow, so cell i is token i.
+        cells = torch.arange(total, device=device)
+        md.identity_layout, md.cell_to_token, md.token_to_cell = True, cells, cells
+    else:
+        # Padding cells take the padding token indices at the tail, in order: a permutation.
+        free = cell_to_token < 0
+        cell_to_token[free] = np.arange(int(starts[-1]), total)
+        token_to_cell = np.empty_like(cell_to_token)
+        token_to_cell[cell_to_token] = np.arange(total)
+        md.identity_layout = bool((cell_to_token == np.arange(total)).all())
+        md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
+        md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
+    if layout.parts is not None:
+        split = layout.parts
+        parts = []
+        for part, requests, tokens in (
+            (split.prefill, split.prefill_requests, split.prefill_tokens),
+            (split.decode, split.decode_requests, split.decode_tokens),
+        ):
+            parts.append(
+                build_metadata(
+                    layout=part,
+                    seq_lens=[seq_lens[r] for r in requests],
+                    block_table=block_table[list(requests)],
+                    slot_mapping=slot_mapping[list(tokens)],
+                    block_size=block_size,
+                    device=device,
+                )
+            )
+        md.parts = (parts[0], parts[1])
+    return md
+
+
+def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:
+    """Start of each item inside its row when a row's items are laid out back to back (items
+    of one row are consecutive, in order)."""
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    first = np.r_[True, row_of[1:] != row_of[:-1]]
+    row_start = np.maximum.accumulate(np.where(first, starts, 0))
+    return starts - row_start

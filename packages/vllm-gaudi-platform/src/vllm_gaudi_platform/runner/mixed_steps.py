@@ -1,0 +1,94 @@
+"""A mixed prefill + decode step run as two forward passes, each on a warmed bucket (the layout's
+parts, `step_layout.split_mixed`), with its hidden states merged back in the step's token order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.forward_context import get_forward_context
+
+from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
+
+
+def _scatter_tokens(out: Any, tokens: torch.Tensor, total: int, into: Any = None) -> Any:
+    """Write one pass's forward output (hidden states, or EAGLE-3's (hidden, [aux...])) rows
+    0..len(tokens) to rows `tokens` of `into`, a zero tensor of the step's padded token count
+    made on first use."""
+    if isinstance(out, torch.Tensor):
+        if into is None:
+            into = out.new_zeros((total, *out.shape[1:]))
+        into[tokens] = out[: tokens.shape[0]]
+        return into
+    if isinstance(out, (tuple, list)):
+        targets = into if into is not None else [None] * len(out)
+        return type(out)(_scatter_tokens(o, tokens, total, t) for o, t in zip(out, targets))
+    raise TypeError(f"unexpected forward output {type(out).__name__} in a split mixed step")
+
+
+def forward_in_parts(
+    runner: Any,
+    layout: step_layout.StepLayout,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    eager: Callable[..., Any],
+) -> Any:
+    """A mixed step as two forward passes, the prefill part's bucket then the decode part's,
+    each replaying its own graph (or eager without one); None when the step's metadata was
+    not built in parts (then the step runs as one pass).
+
+    Each pass reads its own tokens at the front of vLLM's persistent token buffers (where its
+    graph was captured); the buffers get the step's tokens back afterwards, since vLLM reads
+    them again (drafting). The hidden states come back in the step's token order, padding
+    rows zero, so vLLM's logits and pooling indices are unchanged. `eager` runs a pass that has
+    no graph (the base runner's `_model_forward`); `runner` is the HPUModelRunner.
+    """
+    context = get_forward_context()
+    step_md = context.attn_metadata
+    split = layout.parts
+    assert isinstance(step_md, dict) and split is not None
+    if positions.dim() != 1 or any(
+        not isinstance(md, HPUAttentionMetadata) or md.parts is None for md in step_md.values()
+    ):
+        return None
+    saved_ids, saved_pos = input_ids.clone(), positions.clone()
+    saved_padding = context.is_padding
+    passes = (
+        (split.prefill, split.prefill_tokens),
+        (split.decode, split.decode_tokens),
+    )
+    merged: Any = None
+    try:
+        # The step's padding mask (vLLM's MoE may skip padded tokens) is for one pass.
+        context.is_padding = None
+        for index, (part, token_list) in enumerate(passes):
+            tokens = torch.tensor(token_list, dtype=torch.int64, device=input_ids.device)
+            n, total = len(token_list), part.num_tokens_padded
+            ids, pos = input_ids[:total], positions[:total]
+            ids[:n].copy_(saved_ids[tokens])
+            ids[n:].zero_()
+            pos[:n].copy_(saved_pos[tokens])
+            pos[n:].zero_()
+            part_md = {name: md.parts[index] for name, md in step_md.items()}
+            context.attn_metadata = part_md  # type: ignore[assignment]
+            step_layout.set_current(part)
+            entry = runner.graphs.lookup(part, part_md)
+            if entry is not None:
+                out = runner.graphs.replay(
+                    entry, part_md, functools.partial(runner._graph_inputs, ids, pos)
+                )
+            else:
+                out = eager(input_ids=ids, positions=pos)
+            merged = _scatter_tokens(out, tokens, input_ids.shape[0], merged)
+    finally:
+        context.attn_metadata = step_md
+        context.is_padding = saved_padding
+        step_layout.set_current(layout)
+        input_ids.copy_(saved_ids)
+        positions.copy_(saved_pos)
+    runner.split_steps += 1
+    return merged

@@ -1,0 +1,175 @@
+"""Emulated quantization kernels: 4-bit dequantization, FP8 casts and FP8 GEMM.
+
+Part of the CPU emulation backend (`emulated.py` re-exports every public name here); each mirrors
+the Gaudi kernel of the same name wrapped in `gaudi.py`, whose semantics the docstrings state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# ----------------------------------------------------------------------------- 4-bit kernels
+def _unpack_uint4_columns(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] -> int32 [R, C]: nibble i of word j is column 8j+i (lowest nibble first)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    # & 0xF undoes the sign extension an arithmetic shift of a negative word brings in.
+    return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
+
+
+def convert_from_uint4(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    out_dtype: torch.dtype,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dequantize 4-bit weights to [K, N] in `out_dtype`.
+
+    `qweight` int32 [K, N/8] and `qzeros` int32 [G, N/8] are packed along N (nibble i of word j
+    is column 8j+i); `qzeros` holds the zero points themselves. `scales` is [G, N].
+    W[k, n] = (q[k, n] - z[g(k), n]) * s[g(k), n], g(k) = g_idx[k] if given, else k // (K / G)."""
+    q = _unpack_uint4_columns(qweight)
+    z = _unpack_uint4_columns(qzeros)
+    rows = q.shape[0]
+    if g_idx is None:
+        g_idx = torch.arange(rows, device=q.device) // (rows // scales.shape[0])
+    g_idx = g_idx.long()
+    # (q - z) is a small integer, exact in any float type: one rounding, in the product.
+    w = (q - z.index_select(0, g_idx)).to(torch.float32) * scales.index_select(0, g_idx).float()
+    return w.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- quantization kernels
+# FP8 casts and GEMM with the semantics of Gaudi's torch.ops.hpu.cast_to_fp8_v2 / cast_from_fp8 /
+# fp8_gemm_v2. Scales are MULTIPLIERS: cast_to_fp8_v2 takes 1/scale, the others take the
+# dequantization scale. A scale is a number, a 0-d or 1-element tensor (per tensor), or a vector:
+# one value per row of the activation (per token) or per column N of a [K, N] weight (per
+# channel).
+_GAUDI_GENERATIONS = ("3", "2")
+
+
+def fp8_max(dtype: torch.dtype = torch.float8_e4m3fn) -> float:
+    """Largest finite value a cast to `dtype` saturates to on this Gaudi.
+
+    E4M3 is 448 on Gaudi 3 and 240 on Gaudi 2 (its E4M3 keeps IEEE-style special exponents); E5M2
+    is 57344 on both. Emulation behaves as VLLM_HPU_EMULATION_GAUDI (default 3)."""
+    if dtype == torch.float8_e5m2:
+        return 57344.0
+    if dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_max: {dtype} is not an FP8 type Gaudi casts to")
+    from vllm_gaudi_platform import envs
+
+    generation = (envs.get_raw(envs.VLLM_HPU_EMULATION_GAUDI) or "").strip()
+    if generation not in _GAUDI_GENERATIONS:
+        raise envs.EnvError(
+            f"{envs.VLLM_HPU_EMULATION_GAUDI}={generation!r} is not a Gaudi generation the "
+            "emulation knows; set it to 3 or 2."
+        )
+    return 448.0 if generation == "3" else 240.0
+
+
+def _row_scale(scale: torch.Tensor | float, rows: int) -> torch.Tensor | float:
+    """A per-tensor scale as is; a per-row vector as a [rows, 1] column that broadcasts."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
+        return scale if not isinstance(scale, torch.Tensor) else scale.reshape(()).float()
+    if scale.numel() != rows:
+        raise ValueError(f"scale with {scale.numel()} values for {rows} rows")
+    return scale.reshape(rows, 1).float()
+
+
+def _col_scale(scale: torch.Tensor | float, cols: int) -> torch.Tensor | float:
+    """A per-tensor scale as is; a per-column vector as a [1, cols] row that broadcasts."""
+    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
+        return scale if not isinstance(scale, torch.Tensor) else scale.reshape(()).float()
+    if scale.numel() != cols:
+        raise ValueError(f"scale with {scale.numel()} values for {cols} columns")
+    return scale.reshape(1, cols).float()
+
+
+def _round_stochastic(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float32 `v` (already within range) to one of its two FP8 neighbours, the upper one
+    with probability proportional to the distance from the lower one."""
+    magnitude = v.abs()
+    nearest = magnitude.to(dtype)
+    bits = nearest.view(torch.uint8).to(torch.int16)
+    above = nearest.float() > magnitude
+    # Positive FP8 values are ordered like their bit patterns: a neighbour is one code away. A
+    # value that is not exact lies strictly inside the range, so both neighbours are finite.
+    lo = torch.where(above, bits - 1, bits).clamp(min=0).to(torch.uint8).view(dtype).float()
+    hi = torch.where(above, bits, bits + 1).clamp(max=127).to(torch.uint8).view(dtype).float()
+    exact = nearest.float() == magnitude
+    gap = torch.where(exact, 1.0, hi - lo)
+    p_up = torch.where(exact, 0.0, (magnitude - lo) / gap)
+    chosen = torch.where(torch.rand_like(magnitude) < p_up, hi, lo)
+    chosen = torch.where(exact, nearest.float(), chosen)
+    return (chosen * v.sign()).to(dtype)
+
+
+def cast_to_fp8_v2(
+    x: torch.Tensor,
+    scale: torch.Tensor | float | None = None,
+    stochastic_rounding: bool = False,
+    is_amax: bool = False,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaudi's torch.ops.hpu.cast_to_fp8_v2: (fp8(x * scale), amax).
+
+    `scale` multiplies before the cast (callers pass 1/scale), per tensor or per row of a 2-D x.
+    The cast saturates: values beyond fp8_max(dtype) become +-fp8_max (torch's own cast does
+    not saturate). `amax` is max |x| of the unscaled input as a 0-d float32 tensor when
+    `is_amax`, else an empty tensor."""
+    y = x.float()
+    if scale is not None:
+        y = y * _row_scale(scale, x.shape[0] if x.dim() > 1 else 1)
+    limit = fp8_max(dtype)
+    y = y.clamp(-limit, limit)
+    out = _round_stochastic(y, dtype) if stochastic_rounding else y.to(dtype)
+    amax = x.abs().amax().float() if is_amax else torch.empty(0, device=x.device)
+    return out, amax
+
+
+def cast_from_fp8(
+    x: torch.Tensor, scale: torch.Tensor | float | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Gaudi's torch.ops.hpu.cast_from_fp8: x * scale in `out_dtype` (scale per tensor or per
+    row of a 2-D x; None means 1)."""
+    y = x.float()
+    if scale is not None:
+        y = y * _row_scale(scale, x.shape[0] if x.dim() > 1 else 1)
+    return y.to(out_dtype)
+
+
+def fp8_gemm_v2(
+    A: torch.Tensor,
+    trans_A: bool,
+    B: torch.Tensor,
+    trans_B: bool,
+    D: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    A_scale_inv: torch.Tensor | float | None = None,
+    B_scale_inv: torch.Tensor | float | None = None,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Gaudi's torch.ops.hpu.fp8_gemm_v2: (op(A) * A_scale_inv) @ (op(B) * B_scale_inv) + bias,
+    plus D when `accumulate`, in `out_dtype`; op transposes the last two axes when asked.
+
+    A is [M, K] (after op), FP8 activations with a per-tensor or per-row ([M]) dequantization
+    scale; B is [K, N] (after op; a weight stored [K, N] passes trans_B=False), FP8 with a
+    per-tensor or per-column ([N], per output channel) scale. Emulated in float32: both scales
+    factor out of the dot products, so they apply to the float32 product."""
+    a = A.float().transpose(-2, -1) if trans_A else A.float()
+    b = B.float().transpose(-2, -1) if trans_B else B.float()
+    out = a @ b
+    if A_scale_inv is not None:
+        out = out * _row_scale(A_scale_inv, a.shape[-2])
+    if B_scale_inv is not None:
+        out = out * _col_scale(B_scale_inv, b.shape[-1])
+    if bias is not None:
+        out = out + bias.float()
+    if accumulate:
+        if D is None:
+            raise ValueError("fp8_gemm_v2: accumulate=True needs D")
+        out = out + D.float()
+    return out.to(out_dtype)
