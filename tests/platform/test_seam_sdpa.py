@@ -103,13 +103,29 @@ def test_causal_is_top_left_aligned():
 
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_valid_sequence_lengths_mask_the_padded_side(side):
-    q, k, v = _qkv(2, 2, 2, 4, 9)
+    q, k, v = _qkv(2, 2, 2, 9, 9)
     lens = torch.tensor([9, 5])
-    out = emulated.fused_sdpa(q, k, v, valid_sequence_lengths=lens, padding_side=side)
+    out = emulated.fused_sdpa(
+        q, k, v, is_causal=True, valid_sequence_lengths=lens, padding_side=side
+    )
     pos = torch.arange(9)
     valid = pos[None] >= 9 - lens[:, None] if side == "left" else pos[None] < lens[:, None]
-    allowed = valid[:, None, None, :].expand(2, 2, 4, 9)
-    torch.testing.assert_close(out, _reference(q, k, v, allowed), **TOL)
+    allowed = valid[:, None, None, :] & torch.ones(9, 9, dtype=torch.bool).tril()
+    # A fully masked query row (left padding) has no defined output; compare the others.
+    keep = allowed.any(-1, keepdim=True).expand_as(out)
+    torch.testing.assert_close(out[keep], _reference(q, k, v, allowed)[keep], **TOL)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_valid_sequence_lengths_are_refused_outside_the_causal_mask_free_mode(with_mask):
+    # Gaudi's FusedSDPA takes valid lengths only with is_causal=True and no mask.
+    q, k, v = _qkv(2, 2, 2, 4, 4)
+    lens = torch.tensor([4, 2])
+    mask = torch.zeros(2, 1, 4, 4) if with_mask else None
+    with pytest.raises(ValueError, match="only taken with is_causal=True"):
+        emulated.fused_sdpa(
+            q, k, v, attn_mask=mask, is_causal=with_mask, valid_sequence_lengths=lens
+        )
 
 
 def test_dropout_is_refused():

@@ -75,11 +75,26 @@ def test_cast_to_fp8_multiplies_by_a_per_tensor_scale(emulated, form):
     assert torch.equal(out.float(), nearest_e4m3(x * 37.5, 448.0))
 
 
-def test_cast_to_fp8_multiplies_each_row_by_its_own_scale(emulated):
+def test_cast_to_fp8_multiplies_each_row_by_its_own_scale_given_as_a_column(emulated):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    scales = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
+    out, _ = emulated.cast_to_fp8_v2(x, scales)
+    assert torch.equal(out.float(), nearest_e4m3(x * scales, 448.0))
+
+
+def test_cast_to_fp8_applies_a_1d_scale_per_column_as_gaudi_broadcasts(emulated):
+    # Gaudi broadcasts numpy-style: a 1-D scale runs along the last axis, whatever its meaning
+    # to the caller. Square x: a vector of row scales silently scales the columns.
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(4))
     scales = torch.tensor([1.0, 10.0, 100.0, 1000.0])
     out, _ = emulated.cast_to_fp8_v2(x, scales)
-    assert torch.equal(out.float(), nearest_e4m3(x * scales[:, None], 448.0))
+    assert torch.equal(out.float(), nearest_e4m3(x * scales[None, :], 448.0))
+
+
+def test_cast_to_fp8_rejects_a_1d_row_scale_when_rows_differ_from_columns(emulated):
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match=r"\[rows, 1\]"):
+        emulated.cast_to_fp8_v2(x, torch.tensor([1.0, 10.0, 100.0, 1000.0]))
 
 
 def test_cast_to_fp8_reports_the_amax_of_the_unscaled_input_when_asked(emulated):
@@ -110,9 +125,11 @@ def test_cast_from_fp8_multiplies_by_the_scale_in_the_output_dtype(emulated):
         emulated.cast_from_fp8(x, torch.tensor(0.25), torch.float32),
         torch.tensor([[0.25, -0.5], [0.125, 112.0]]),
     )
-    per_row = emulated.cast_from_fp8(x, torch.tensor([2.0, 3.0]), torch.bfloat16)
+    per_row = emulated.cast_from_fp8(x, torch.tensor([[2.0], [3.0]]), torch.bfloat16)
     assert per_row.dtype == torch.bfloat16
     assert per_row.float().tolist() == [[2.0, -4.0], [1.5, 1344.0]]
+    per_column = emulated.cast_from_fp8(x, torch.tensor([2.0, 3.0]), torch.float32)
+    assert per_column.tolist() == [[2.0, -6.0], [1.0, 1344.0]]
 
 
 def _fp8_operand(shape, seed):
@@ -131,7 +148,7 @@ def test_fp8_gemm_is_the_matmul_of_the_dequantized_operands(
     M, K, N = 5, 48, 24
     A = _fp8_operand((K, M) if trans_A else (M, K), 10)
     B = _fp8_operand((N, K) if trans_B else (K, N), 11)
-    sa = torch.tensor(0.02) if a_scale == "tensor" else torch.linspace(0.01, 0.05, M)
+    sa = torch.tensor(0.02) if a_scale == "tensor" else torch.linspace(0.01, 0.05, M)[:, None]
     sb = torch.tensor(0.003) if b_scale == "tensor" else torch.linspace(0.001, 0.004, N)
     bias = torch.linspace(-1, 1, N) if with_bias else None
 
@@ -139,7 +156,7 @@ def test_fp8_gemm_is_the_matmul_of_the_dequantized_operands(
 
     a = A.double().t() if trans_A else A.double()  # [M, K]
     b = B.double().t() if trans_B else B.double()  # [K, N]
-    a = a * (sa.double() if sa.dim() == 0 else sa.double()[:, None])
+    a = a * sa.double()
     b = b * (sb.double() if sb.dim() == 0 else sb.double()[None, :])
     ref = a @ b + (bias.double() if bias is not None else 0)
     assert out.dtype == torch.float32 and out.shape == (M, N)
@@ -166,5 +183,13 @@ def test_fp8_gemm_returns_the_requested_dtype(emulated):
 
 def test_fp8_gemm_rejects_a_scale_vector_of_the_wrong_length(emulated):
     A, B = _fp8_operand((3, 16), 16), _fp8_operand((16, 4), 17)
-    with pytest.raises(ValueError, match="4 columns"):
+    with pytest.raises(ValueError, match="B_scale_inv"):
         emulated.fp8_gemm_v2(A, False, B, False, None, torch.float32, 0.1, torch.ones(5))
+
+
+def test_fp8_gemm_rejects_per_token_scales_given_as_a_1d_vector(emulated):
+    # A_scale_inv broadcasts over A [M, K]: a 1-D [M] vector runs along K. M != K: an error,
+    # as on a Gaudi (per-token scales are [M, 1]).
+    A, B = _fp8_operand((3, 16), 18), _fp8_operand((16, 4), 19)
+    with pytest.raises(ValueError, match="A_scale_inv"):
+        emulated.fp8_gemm_v2(A, False, B, False, None, torch.float32, torch.ones(3), 0.1)

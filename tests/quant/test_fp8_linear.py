@@ -54,6 +54,39 @@ def test_apply_fp8_linear_gives_each_token_its_own_scale(emulated, relative_erro
     assert relative_error(out[:1], ref[:1]) < FP8_WEIGHT_ONLY_TOLERANCE
 
 
+@pytest.mark.parametrize("tokens", [5, 128])
+def test_per_token_scales_are_per_row_when_the_batch_is_square_or_not(
+    emulated, relative_error, tokens
+):
+    """Gaudi applies a 1-D scale per column: per-token scales must go in as [M, 1]. With M != K a
+    1-D vector is a shape error; with M == K (128 tokens into a 128-wide layer) it would scale
+    columns and give wrong numbers without an error. Both must match the float linear."""
+    from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear, quantize_activations
+
+    w8, scale, w = _fp8_kn(_weight(64, 128))
+    magnitudes = torch.logspace(-3, 0, tokens)[:, None]
+    x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(3)) * magnitudes
+    _, x_scale = quantize_activations(x, None)
+    assert x_scale.shape == (tokens, 1)
+    out = apply_fp8_linear(x, w8, scale)
+    ref = torch.nn.functional.linear(x, w)
+    for row in (0, tokens - 1):  # the smallest and the largest token, each at its own scale
+        assert relative_error(out[row], ref[row]) < FP8_WEIGHT_ONLY_TOLERANCE
+
+
+def test_per_channel_weight_quantization_scales_each_output_row(emulated):
+    from vllm_gaudi_quant.methods.fp8 import quantize_per_channel
+
+    # Square and not: rows a hundred times apart in magnitude each keep their own scale.
+    for rows, cols in ((4, 4), (4, 16)):
+        w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(4))
+        w = w * torch.logspace(-2, 0, rows)[:, None]
+        wq, scale = quantize_per_channel(w)
+        assert scale.shape == (rows,)
+        back = wq.float() * scale[:, None]
+        torch.testing.assert_close(back, w, rtol=0.07, atol=0.0)
+
+
 def test_apply_fp8_linear_with_a_static_scale_saturates_larger_activations(emulated):
     from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
 

@@ -217,8 +217,9 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
 
     def _encoder_prefill(self, q, k, v, md: HPUAttentionMetadata) -> torch.Tensor:
         """Bidirectional prefill over the [rows, query_bucket] grid: one sequence per row takes
-        the fused SDPA with valid lengths (no mask); packed rows attend in query slices with a
-        same-sequence mask (a padding cell sees only its own key)."""
+        the fused SDPA with an additive key-padding mask; packed rows attend in query slices with
+        a same-sequence mask (a padding cell sees only its own key). Not valid lengths: Gaudi's
+        FusedSDPA takes those only in its causal mode."""
         p = md.layout.prefill
         assert p is not None and md.prefill_valid_lens is not None
         rows, qb = p.rows, p.query_bucket
@@ -227,14 +228,14 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         k = k.reshape(rows, qb, hk, d).transpose(1, 2)
         v = v.reshape(rows, qb, hk, d).transpose(1, 2)
         if not md.prefill_packed:
+            # [rows, 1, 1, keys]: 0 for a row's own keys, the dtype's lowest value for padding
+            # (an additive bias in the query's dtype, as Gaudi's kernel takes masks; finite, so
+            # an all-padding row stays finite and is discarded).
+            padded = torch.arange(qb, device=q.device)[None, :] >= md.prefill_valid_lens[:, None]
+            bias = torch.zeros(padded.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(padded, torch.finfo(q.dtype).min)
             out = self.seam.fused_sdpa(
-                q,
-                k,
-                v,
-                is_causal=False,
-                scale=self.scale,
-                valid_sequence_lengths=md.prefill_valid_lens,
-                padding_side="right",
+                q, k, v, attn_mask=bias[:, None, None, :], is_causal=False, scale=self.scale
             )
             return out.transpose(1, 2).reshape(rows * qb, h, d)
         assert md.prefill_q_seq is not None and md.prefill_k_seq is not None

@@ -77,7 +77,8 @@ def fused_sdpa(
     """Gaudi FusedSDPA: [batch, heads, q_len, head_dim] layouts, optional boolean/additive mask.
 
     `is_causal` masks key j > query i (top-left aligned, as on Gaudi); `valid_sequence_lengths`
-    (per batch row) masks padded key positions on `padding_side`. `softmax_mode` ("None" exact,
+    (per batch row, causal mode without a mask only, as on Gaudi) masks padded key positions on
+    `padding_side`. `softmax_mode` ("None" exact,
     "fast" lower precision on Gaudi) and `recompute_mode` are performance knobs with no effect on
     the emulated result. Grouped-query attention: key/value may have fewer heads than query when
     the query heads are a multiple. `sinks` ([heads], gpt-oss style): one learned logit per
@@ -85,6 +86,13 @@ def fused_sdpa(
     """
     if dropout_p != 0.0:
         raise ValueError("fused_sdpa: dropout is not used at inference time")
+    if valid_sequence_lengths is not None and (not is_causal or attn_mask is not None):
+        # Gaudi's FusedSDPA takes valid lengths only in its causal, mask-free mode (Intel's
+        # plugin masks padded keys of bidirectional attention with an attn_mask instead).
+        raise ValueError(
+            "fused_sdpa: valid_sequence_lengths is only taken with is_causal=True and no "
+            "attn_mask, as on Gaudi; mask padded keys with an additive attn_mask instead"
+        )
     q_len, kv_len = query.shape[-2], key.shape[-2]
     enable_gqa = key.shape[-3] != query.shape[-3]
     if is_causal and attn_mask is None and sinks is None:

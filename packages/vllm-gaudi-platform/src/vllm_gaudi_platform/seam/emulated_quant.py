@@ -43,9 +43,13 @@ def convert_from_uint4(
 # ----------------------------------------------------------------------------- quantization kernels
 # FP8 casts and GEMM with the semantics of Gaudi's torch.ops.hpu.cast_to_fp8_v2 / cast_from_fp8 /
 # fp8_gemm_v2. Scales are MULTIPLIERS: cast_to_fp8_v2 takes 1/scale, the others take the
-# dequantization scale. A scale is a number, a 0-d or 1-element tensor (per tensor), or a vector:
-# one value per row of the activation (per token) or per column N of a [K, N] weight (per
-# channel).
+# dequantization scale. A scale broadcasts against its operand numpy-style, as on a Gaudi: a
+# number or a 1-element tensor applies to every value, and a vector applies along the LAST axis
+# (one value per column). A per-row (per-token) scale is therefore [rows, 1]; a 1-D vector of
+# row scales is a shape error unless rows == columns, and then silently scales columns. Facts:
+# Intel's vllm-gaudi quantizes activations per token with `amax(dim=-1)...unsqueeze(-1)` before
+# cast_to_fp8_v2 and passes that [M, 1] tensor as fp8_gemm_v2's A_scale_inv; its weight scales
+# are 1-D per output column of the [K, N] operand (B_scale_inv).
 _GAUDI_GENERATIONS = ("3", "2")
 
 
@@ -69,22 +73,24 @@ def fp8_max(dtype: torch.dtype = torch.float8_e4m3fn) -> float:
     return 448.0 if generation == "3" else 240.0
 
 
-def _row_scale(scale: torch.Tensor | float, rows: int) -> torch.Tensor | float:
-    """A per-tensor scale as is; a per-row vector as a [rows, 1] column that broadcasts."""
-    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
-        return scale if not isinstance(scale, torch.Tensor) else scale.reshape(()).float()
-    if scale.numel() != rows:
-        raise ValueError(f"scale with {scale.numel()} values for {rows} rows")
-    return scale.reshape(rows, 1).float()
-
-
-def _col_scale(scale: torch.Tensor | float, cols: int) -> torch.Tensor | float:
-    """A per-tensor scale as is; a per-column vector as a [1, cols] row that broadcasts."""
-    if not isinstance(scale, torch.Tensor) or scale.numel() == 1:
-        return scale if not isinstance(scale, torch.Tensor) else scale.reshape(()).float()
-    if scale.numel() != cols:
-        raise ValueError(f"scale with {scale.numel()} values for {cols} columns")
-    return scale.reshape(1, cols).float()
+def _broadcast_scale(scale: torch.Tensor | float, shape: torch.Size, what: str):
+    """`scale` as it multiplies an operand of `shape`: a number as is, a tensor in float32 if it
+    broadcasts numpy-style without growing the operand (ValueError naming `what` otherwise)."""
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    if scale.numel() == 1:
+        return scale.reshape(()).float()
+    try:
+        result = torch.broadcast_shapes(tuple(scale.shape), tuple(shape))
+    except RuntimeError:
+        result = None
+    if result != tuple(shape):
+        raise ValueError(
+            f"{what}: a scale of shape {tuple(scale.shape)} does not broadcast over an operand "
+            f"of shape {tuple(shape)}; a 1-D scale applies along the last axis (per column), a "
+            "per-row scale must be [rows, 1]"
+        )
+    return scale.float()
 
 
 def _round_stochastic(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,13 +121,14 @@ def cast_to_fp8_v2(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gaudi's torch.ops.hpu.cast_to_fp8_v2: (fp8(x * scale), amax).
 
-    `scale` multiplies before the cast (callers pass 1/scale), per tensor or per row of a 2-D x.
-    The cast saturates: values beyond fp8_max(dtype) become +-fp8_max (torch's own cast does
-    not saturate). `amax` is max |x| of the unscaled input as a 0-d float32 tensor when
-    `is_amax`, else an empty tensor."""
+    `scale` multiplies before the cast (callers pass 1/scale): a number, or a tensor that
+    broadcasts over x numpy-style ([rows, 1] per row, 1-D per column). The cast saturates:
+    values beyond fp8_max(dtype) become +-fp8_max (torch's own cast does not saturate). `amax`
+    is max |x| of the unscaled input as a 0-d float32 tensor when `is_amax`, else an empty
+    tensor."""
     y = x.float()
     if scale is not None:
-        y = y * _row_scale(scale, x.shape[0] if x.dim() > 1 else 1)
+        y = y * _broadcast_scale(scale, x.shape, "cast_to_fp8_v2")
     limit = fp8_max(dtype)
     y = y.clamp(-limit, limit)
     out = _round_stochastic(y, dtype) if stochastic_rounding else y.to(dtype)
@@ -132,11 +139,11 @@ def cast_to_fp8_v2(
 def cast_from_fp8(
     x: torch.Tensor, scale: torch.Tensor | float | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Gaudi's torch.ops.hpu.cast_from_fp8: x * scale in `out_dtype` (scale per tensor or per
-    row of a 2-D x; None means 1)."""
+    """Gaudi's torch.ops.hpu.cast_from_fp8: x * scale in `out_dtype` (scale a number or a tensor
+    that broadcasts over x numpy-style; None means 1)."""
     y = x.float()
     if scale is not None:
-        y = y * _row_scale(scale, x.shape[0] if x.dim() > 1 else 1)
+        y = y * _broadcast_scale(scale, x.shape, "cast_from_fp8")
     return y.to(out_dtype)
 
 
@@ -155,17 +162,18 @@ def fp8_gemm_v2(
     """Gaudi's torch.ops.hpu.fp8_gemm_v2: (op(A) * A_scale_inv) @ (op(B) * B_scale_inv) + bias,
     plus D when `accumulate`, in `out_dtype`; op transposes the last two axes when asked.
 
-    A is [M, K] (after op), FP8 activations with a per-tensor or per-row ([M]) dequantization
+    A is [M, K] (after op), FP8 activations with a per-tensor or per-row ([M, 1]) dequantization
     scale; B is [K, N] (after op; a weight stored [K, N] passes trans_B=False), FP8 with a
-    per-tensor or per-column ([N], per output channel) scale. Emulated in float32: both scales
-    factor out of the dot products, so they apply to the float32 product."""
+    per-tensor or per-column ([N], per output channel) scale. Each scale broadcasts over its
+    operand numpy-style (a 1-D A_scale_inv would apply along K: a shape error unless M == K).
+    Emulated in float32 on the scaled operands."""
     a = A.float().transpose(-2, -1) if trans_A else A.float()
     b = B.float().transpose(-2, -1) if trans_B else B.float()
-    out = a @ b
     if A_scale_inv is not None:
-        out = out * _row_scale(A_scale_inv, a.shape[-2])
+        a = a * _broadcast_scale(A_scale_inv, a.shape, "fp8_gemm_v2 A_scale_inv")
     if B_scale_inv is not None:
-        out = out * _col_scale(B_scale_inv, b.shape[-1])
+        b = b * _broadcast_scale(B_scale_inv, b.shape, "fp8_gemm_v2 B_scale_inv")
+    out = a @ b
     if bias is not None:
         out = out + bias.float()
     if accumulate:

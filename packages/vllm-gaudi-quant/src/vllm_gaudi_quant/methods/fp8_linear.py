@@ -23,10 +23,17 @@ def quantize_activations(
     x: torch.Tensor, input_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 x, its dequantization scale) for a 2-D x: with the static `input_scale` (0-d), or
-    per token (one scale per row, [M]) when it is None."""
+    per token (one scale per row, [M, 1]) when it is None.
+
+    A per-row scale is a column: Gaudi's cast_to_fp8_v2 and fp8_gemm_v2 broadcast scales
+    numpy-style, so a 1-D [M] scale would apply per column (seam/emulated_quant.py)."""
     kernels = backend()
     if input_scale is None:
-        amax = x.abs().amax(dim=-1).float() if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
+        amax = (
+            x.abs().amax(dim=-1, keepdim=True).float()
+            if x.shape[0]
+            else x.new_zeros(0, 1, dtype=torch.float32)
+        )
         input_scale = (amax / kernels.fp8_max(FP8_DTYPE)).clamp(min=_MIN_SCALE)
     xq, _ = kernels.cast_to_fp8_v2(x, 1.0 / input_scale, False, False, FP8_DTYPE)
     return xq, input_scale
@@ -61,7 +68,8 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = w.abs().amax(dim=-1).float()
     scale = (amax / kernels.fp8_max(FP8_DTYPE)).clamp(min=_MIN_SCALE)
     flat = w.reshape(-1, w.shape[-1])
-    wq, _ = kernels.cast_to_fp8_v2(flat, 1.0 / scale.reshape(-1), False, False, FP8_DTYPE)
+    # One scale per row of the flattened weight, as a [rows, 1] column (1-D would be per column).
+    wq, _ = kernels.cast_to_fp8_v2(flat, 1.0 / scale.reshape(-1, 1), False, False, FP8_DTYPE)
     return wq.reshape(w.shape), scale
 
 

@@ -191,8 +191,11 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             return list(dequantize_blocks(weight, scale, self.block).to(dtype).unbind(0))
         kernels = backend()
         scale = getattr(layer, f"{name}_weight_scale")
+        # One scale per output row of each expert's [rows, cols] weight: a [rows, 1] column, since
+        # cast_from_fp8 applies a 1-D scale along the last axis (per column).
         return [
-            kernels.cast_from_fp8(w, s, dtype) for w, s in zip(weight.unbind(0), scale.unbind(0))
+            kernels.cast_from_fp8(w, s.reshape(-1, 1) if s.numel() > 1 else s, dtype)
+            for w, s in zip(weight.unbind(0), scale.unbind(0))
         ]
 
     def apply_monolithic(
