@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -155,3 +156,18 @@ def test_general_plugin_turns_missing_dependency_into_a_warning(fresh_outcomes, 
     assert "nixl-test-package" in warnings[0].getMessage()
     assert "vllm-gaudi-x[nixl]" in warnings[0].getMessage()
     assert fresh_outcomes["hpu_test_missing"].startswith("skipped")
+
+
+def test_vllms_unknown_variable_check_knows_the_hpu_settings(monkeypatch):
+    from vllm_gaudi_platform.platform import HpuPlatform
+
+    for name in os.environ:
+        if name.startswith("VLLM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    monkeypatch.setenv("VLLM_DECODE_BS_BUCKET_MAX", "8")
+    HpuPlatform.validate_environ(hard_fail=True)  # ours are known names: no error
+
+    monkeypatch.setenv("VLLM_HPU_EMULATON", "cpu")  # misspelt
+    with pytest.raises(ValueError, match="VLLM_HPU_EMULATON"):
+        HpuPlatform.validate_environ(hard_fail=True)
