@@ -10,6 +10,8 @@ module imports this file and any pytest import mode works.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 import os
 import subprocess
@@ -105,11 +107,121 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     backend.cache_clear()
 
 
+# ----------------------------------------------------------------------------- the Gaudi backend
+# seam/gaudi.py runs in every test run: over a real Gaudi where habana_frameworks is installed,
+# otherwise over the Habana stand-in (tests/habana_standin, see its README). The stand-in is
+# importable only inside `habana_standin()`: the rest of the suite sees a machine without Gaudi
+# software, as CI's machines are.
+STANDIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "habana_standin")
+REAL_GAUDI_SOFTWARE = importlib.util.find_spec("habana_frameworks") is not None
+_STANDIN_MODULES: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def habana_standin() -> Iterator[Any]:
+    """The stand-in imported as `habana_frameworks` for the body (its modules are imported once
+    per process and kept, so op registrations and settings survive between tests); yields its
+    `habana_frameworks.torch._device` (GENERATION selects Gaudi 2 or 3)."""
+    if REAL_GAUDI_SOFTWARE:
+        raise RuntimeError("a real habana_frameworks is installed: the stand-in must not shadow it")
+    if not _STANDIN_MODULES:
+        sys.path.insert(0, STANDIN_PATH)
+        try:
+            for name in _STANDIN_SUBMODULES:
+                importlib.import_module(name)
+        finally:
+            sys.path.remove(STANDIN_PATH)
+        _STANDIN_MODULES.update(
+            (name, module)
+            for name, module in sys.modules.items()
+            if name == "habana_frameworks" or name.startswith("habana_frameworks.")
+        )
+    else:
+        sys.modules.update(_STANDIN_MODULES)
+    try:
+        yield _STANDIN_MODULES["habana_frameworks.torch._device"]
+    finally:
+        for name in _STANDIN_MODULES:
+            sys.modules.pop(name, None)
+
+
+_STANDIN_SUBMODULES = (
+    "habana_frameworks.torch",
+    "habana_frameworks.torch.core",
+    "habana_frameworks.torch.hpu",
+    "habana_frameworks.torch.hpex.kernels",
+    "habana_frameworks.torch.hpex.normalization",
+)
+
+
+@pytest.fixture
+def standin_device() -> Iterator[Any]:
+    """The stand-in's device state (`_device`: GENERATION, DEVICES_PER_PROCESS), restored after
+    the test; the stand-in is importable meanwhile. Skipped where a real Gaudi stack exists."""
+    if REAL_GAUDI_SOFTWARE:
+        pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
+    with habana_standin() as device:
+        saved = (device.GENERATION, device.DEVICES_PER_PROCESS)
+        yield device
+        device.GENERATION, device.DEVICES_PER_PROCESS = saved
+
+
+@pytest.fixture
+def gaudi(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The seam's Gaudi backend module (`seam/gaudi.py`), over a real Gaudi where one is
+    installed, otherwise over the Habana stand-in (importable for the test's duration)."""
+    if REAL_GAUDI_SOFTWARE:
+        from vllm_gaudi_platform.seam import gaudi as module
+
+        yield module
+        return
+    request.getfixturevalue("standin_device")
+    from vllm_gaudi_platform.seam import gaudi as module
+
+    yield module
+
+
+@pytest.fixture
+def gaudi_device() -> Any:
+    """Where the Gaudi backend's tensors live: "hpu" on a Gaudi, the CPU under the stand-in."""
+    import torch
+
+    return torch.device("hpu" if REAL_GAUDI_SOFTWARE else "cpu")
+
+
+@pytest.fixture(params=["emulated", "gaudi"])
+def hpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The seam's backend as `seam.backend()` resolves it, once per backend: the emulation, and
+    gaudi.py (over the stand-in off Gaudi, its device facts pointed at the CPU, where the
+    stand-in's memory is). Layer-level tests take it to run the same code on both."""
+    from vllm_gaudi_platform.seam import backend
+
+    backend.cache_clear()
+    if request.param == "emulated":
+        monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+        kernels = backend()
+        assert kernels.IS_EMULATED
+        yield kernels
+        backend.cache_clear()
+        return
+    if not REAL_GAUDI_SOFTWARE:
+        request.getfixturevalue("standin_device")
+        import torch
+
+        from vllm_gaudi_platform.seam import gaudi as module
+
+        monkeypatch.setattr(module, "DEVICE_TYPE", "cpu")
+        monkeypatch.setattr(module, "torch_device", lambda index=0: torch.device("cpu"))
+    kernels = backend()
+    assert kernels.NAME == "gaudi", kernels.NAME
+    yield kernels
+    backend.cache_clear()
+
+
 @pytest.fixture(autouse=True)
-def _skip_gaudi_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
-    """Tests marked `gaudi` need a real Gaudi: skipped, with that reason, where
-    habana_frameworks is not importable."""
-    if request.node.get_closest_marker("gaudi") and not importlib.util.find_spec(
-        "habana_frameworks"
-    ):
-        pytest.skip("needs an Intel Gaudi: habana_frameworks is not importable")
+def _skip_device_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
+    """Tests marked `gaudi_device` measure the physical device (memory, timing): skipped, with
+    that reason, where habana_frameworks is not installed. Tests marked `gaudi` run everywhere
+    (over the stand-in off Gaudi)."""
+    if request.node.get_closest_marker("gaudi_device") and not REAL_GAUDI_SOFTWARE:
+        pytest.skip("measures a physical Intel Gaudi (memory, timing): no Gaudi here")

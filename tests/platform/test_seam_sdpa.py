@@ -137,19 +137,19 @@ def test_dropout_is_refused():
 @pytest.mark.gaudi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_gaudi_fused_sdpa_takes_grouped_query_heads_like_the_emulation(dtype, is_causal):
+def test_gaudi_fused_sdpa_takes_grouped_query_heads_like_the_emulation(
+    gaudi, gaudi_device, dtype, is_causal
+):
     # gaudi.py reshapes a grouped-query call into Gaudi's 5-D layout; the result must be the
     # emulation's (and the float64 reference's), head for head.
-    from vllm_gaudi_platform.seam import gaudi
-
     q, k, v = (t.to(dtype) for t in _qkv(2, 8, 2, 37, 37, dim=64))
     mask = torch.rand(2, 1, 37, 37, generator=torch.Generator().manual_seed(1)) > 0.3
     mask |= torch.eye(37, dtype=torch.bool)  # every query sees at least one key
     attn_mask = None if is_causal else mask
-    on_hpu = [t.to("hpu") for t in (q, k, v)]
-    hpu_mask = None if attn_mask is None else attn_mask.to("hpu")
+    on_device = [t.to(gaudi_device) for t in (q, k, v)]
+    device_mask = None if attn_mask is None else attn_mask.to(gaudi_device)
 
-    out = gaudi.fused_sdpa(*on_hpu, attn_mask=hpu_mask, is_causal=is_causal).cpu()
+    out = gaudi.fused_sdpa(*on_device, attn_mask=device_mask, is_causal=is_causal).cpu()
 
     expected = emulated.fused_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
     tol = TOL if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}

@@ -21,8 +21,7 @@ def copy_blocks(
     dst_block_indices: torch.Tensor,
 ) -> None:
     """dst[dst_block_indices[i]] = src[src_block_indices[i]] along dim 0 (the block axis), where
-    src and dst may be on different devices (host <-> HPU). Asynchronous on a Gaudi: call
-    synchronize() before reading dst on the host.
+    src and dst may be on different devices (host <-> HPU); complete when it returns.
 
     Emulated: both sides are host memory; the copy is done when this returns. One memcpy per
     block, straight into place: a gather then scatter would write every byte twice through a

@@ -1,7 +1,9 @@
 """The Gaudi backend of the seam: the ONLY module in the tree that imports habana_frameworks.
 
-Thin wrappers providing `contract.HpuBackend`, the same API as `emulated.py`. Not executed in CI
-(no Gaudi there); the tests marked `gaudi` run these on a Gaudi machine.
+Thin wrappers providing `contract.HpuBackend`, the same API as `emulated.py`. Off Gaudi, the tests
+run this module over the Habana stand-in (tests/habana_standin), which enforces the input rules
+of Habana's kernels; on a Gaudi the same tests (marked `gaudi`) run it over the real stack. Where
+a wrapper adapts an input to a kernel's rule, the comment names the source of the rule.
 """
 
 from __future__ import annotations
@@ -27,16 +29,22 @@ IS_EMULATED = False
 DISPATCH_KEY = "HPU"
 DIST_BACKEND = "hccl"
 COMPILE_BACKEND = "hpu_backend"
-PIN_MEMORY = True
+# Pinned host memory is not supported on HPU: Intel's vllm-gaudi platform answers
+# is_pin_memory_available() with False.
+PIN_MEMORY = False
 SHARED_HOST_MEMORY = False
 
 
 def torch_device(index: int = 0) -> torch.device:
-    return torch.device("hpu", index)
+    """The process's Gaudi. Each process (one per TP/PP/DP rank) acquires exactly one device,
+    named torch.device("hpu") whatever its rank: Intel's vllm-gaudi worker does so, and
+    "hpu:{local_rank}" names a device the process does not have for every rank but the first."""
+    return torch.device("hpu")
 
 
 def set_device(device: torch.device) -> None:
-    hthpu.set_device(device)
+    """Nothing to select: the process's one Gaudi is current (Intel's platform makes this a
+    no-op too)."""
 
 
 def device_count() -> int:
@@ -131,17 +139,27 @@ def fused_sdpa(
             padding_side,
             sinks,
         )
+    if attn_mask is not None:
+        attn_mask = _additive_mask(attn_mask, query.dtype)
+    if valid_sequence_lengths is not None:
+        # Intel's call sites pass valid lengths as int32.
+        valid_sequence_lengths = valid_sequence_lengths.to(torch.int32)
     grouped = key.shape[-3] != query.shape[-3]
     if grouped:
         # Gaudi's kernel takes grouped-query attention as a 5-D query,
         # [batch, kv_heads, q_per_kv, q_len, head_dim], against [batch, kv_heads, 1, kv_len, d]
-        # keys/values; a 4-D mask gets the same extra axis so its batch axis stays aligned.
+        # keys/values. A 4-D mask follows the query: a per-head mask [b, heads, q, k] splits its
+        # head axis the same way (heads = kv_heads * q_per_kv, kv head major), a head-shared one
+        # gets a unit axis.
         b, hq, s, d = query.shape
         hkv = key.shape[-3]
         query = query.view(b, hkv, hq // hkv, s, d)
         key, value = key.unsqueeze(2), value.unsqueeze(2)
         if attn_mask is not None and attn_mask.dim() == 4:
-            attn_mask = attn_mask.unsqueeze(2)
+            if attn_mask.shape[1] == hq and hq != 1:
+                attn_mask = attn_mask.unflatten(1, (hkv, hq // hkv))
+            else:
+                attn_mask = attn_mask.unsqueeze(2)
     out = FusedSDPA.apply(
         query,
         key,
@@ -156,6 +174,16 @@ def fused_sdpa(
         padding_side,
     )
     return out.reshape(b, hq, s, d) if grouped else out
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) or additive bias as the additive bias, in the query's
+    dtype, that FusedSDPA takes: Intel's call sites pass only such masks (never bool, never
+    float32 under bf16 queries)."""
+    if mask.dtype == torch.bool:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return bias.masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask.to(dtype)
 
 
 def _sdpa_with_sinks(
@@ -230,8 +258,10 @@ def mixture_of_experts(
 ) -> torch.Tensor:
     return torch.ops.hpu.mixture_of_experts(
         hidden_states=hidden_states,
-        expert_routing_table=expert_routing_table,
-        router_weights=router_weights,
+        # The kernel is built for int64 expert ids (Intel casts the top-k ids before the call);
+        # expert-parallel routing tables come out int32.
+        expert_routing_table=expert_routing_table.to(torch.int64),
+        router_weights=router_weights.to(hidden_states.dtype),
         w12=list(w12),
         w3=list(w3),
         permuted_weights=permuted_weights,
@@ -249,10 +279,18 @@ def copy_blocks(
     dst_block_indices: torch.Tensor,
 ) -> None:
     """dst[dst_block_indices[i]] = src[src_block_indices[i]] along dim 0 (the block axis), where
-    src and dst may be on different devices (host <-> HPU). Asynchronous on a Gaudi: call
-    synchronize() before reading dst on the host."""
+    src and dst may be on different devices (host <-> HPU); complete when it returns."""
+    if src.dtype in _FP8_DTYPES:
+        # CPU index_select / index_copy_ on float8 are missing from the torch builds Gaudi
+        # software ships: the bytes move as uint8, as Intel's vllm-gaudi moves them.
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     blocks = src.index_select(0, src_block_indices.to(src.device))
-    dst.index_copy_(0, dst_block_indices.to(dst.device), blocks.to(dst.device, non_blocking=True))
+    # A blocking copy: with non_blocking=True a device-to-host copy may still be in flight
+    # when index_copy_ reads it (Intel copies blocking here).
+    dst.index_copy_(0, dst_block_indices.to(dst.device), blocks.to(dst.device))
+
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ----------------------------------------------------------------------------- 4-bit kernels

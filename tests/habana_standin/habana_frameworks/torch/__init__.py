@@ -1,0 +1,76 @@
+"""habana_frameworks.torch: importing it registers the Gaudi ops (`torch.ops.hpu.*`) and the
+dynamo backend `hpu_backend`, as Habana's package does on import.
+
+The ops are torch custom ops (with fake implementations, so torch.compile can trace them) whose
+CPU implementations are `_kernels.py`. Registration is once per process: the test fixtures keep
+these module objects alive between the tests that use them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from habana_frameworks.torch import _kernels
+
+_OPS = (
+    "cast_to_fp8_v2",
+    "cast_from_fp8",
+    "fp8_gemm_v2",
+    "convert_from_uint4",
+    "mixture_of_experts",
+)
+
+
+def _fake_cast_to_fp8_v2(input, scale=None, stochastic_rounding=False, is_amax=False, dtype=None):
+    amax = input.new_empty((), dtype=torch.float32) if is_amax else input.new_empty(0)
+    return input.new_empty(input.shape, dtype=dtype), amax
+
+
+def _fake_cast_from_fp8(input, scale, out_dtype):
+    return input.new_empty(input.shape, dtype=out_dtype)
+
+
+def _fake_fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype, *args, **kwargs):
+    m = A.shape[-1] if trans_A else A.shape[-2]
+    n = B.shape[-2] if trans_B else B.shape[-1]
+    return A.new_empty((*A.shape[:-2], m, n), dtype=out_dtype)
+
+
+def _fake_convert_from_uint4(input, scale, zero_point, out_dtype, g_idx=None):
+    return input.new_empty((input.shape[0], scale.shape[1]), dtype=out_dtype)
+
+
+def _fake_mixture_of_experts(hidden_states, *args, **kwargs):
+    return torch.empty_like(hidden_states)
+
+
+_FAKES = {
+    "cast_to_fp8_v2": _fake_cast_to_fp8_v2,
+    "cast_from_fp8": _fake_cast_from_fp8,
+    "fp8_gemm_v2": _fake_fp8_gemm_v2,
+    "convert_from_uint4": _fake_convert_from_uint4,
+    "mixture_of_experts": _fake_mixture_of_experts,
+}
+
+
+def _register() -> None:
+    for name in _OPS:
+        if hasattr(torch.ops.hpu, name):
+            continue
+        op = torch.library.custom_op(f"hpu::{name}", mutates_args=())(getattr(_kernels, name))
+        op.register_fake(_FAKES[name])
+
+
+def _register_dynamo_backend() -> None:
+    # Fact: importing habana_frameworks.torch registers the torch.compile backend "hpu_backend"
+    # (an AOT-autograd backend compiling the FX graph for the Gaudi graph compiler). The
+    # stand-in's runs the traced graph on the CPU through aot_eager's path.
+    from torch._dynamo import list_backends, register_backend
+    from torch._dynamo.backends.debugging import aot_eager
+
+    if "hpu_backend" not in list_backends(exclude_tags=()):
+        register_backend(name="hpu_backend")(aot_eager)
+
+
+_register()
+_register_dynamo_backend()

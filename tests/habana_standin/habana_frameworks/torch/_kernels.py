@@ -1,0 +1,252 @@
+"""The stand-in's kernels: Habana's ops computed in plain torch on the CPU, with the input rules
+Habana's bridge enforces (or Intel's call sites depend on) checked first.
+
+Written from the kernels' documented semantics, independently of the project's emulation
+(`seam/emulated*.py`), so the two can be compared. Each rule cites its source in a `Fact:`
+comment; `_rules.py` lists them all. A broken rule raises `HabanaRuleError`: on a Gaudi the same
+call fails (or silently computes something else, which is worse and why the stand-in refuses).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from habana_frameworks.torch import _device
+
+
+class HabanaRuleError(RuntimeError):
+    """An input that Habana's kernel rejects or reads differently from what the caller meant."""
+
+
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HIGH_PRECISION = (torch.bfloat16, torch.float32)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise HabanaRuleError(message)
+
+
+# ----------------------------------------------------------------------------- FP8
+def fp8_limit(dtype: torch.dtype) -> float:
+    """Saturation bound of a cast to `dtype` on the stand-in's device.
+
+    Fact: Gaudi 2's E4M3 keeps IEEE-style special exponents, so its largest finite value is 240;
+    Gaudi 3 implements OCP E4M3FN (448). E5M2 is 57344 on both (Intel's vllm-gaudi and INC scale
+    FP8 checkpoints for Gaudi 2 by 240/448; Habana's FP8 documentation)."""
+    if dtype == torch.float8_e5m2:
+        return 57344.0
+    return 240.0 if _device.generation() == 2 else 448.0
+
+
+def _scale_over(scale: torch.Tensor | None, operand: tuple[int, ...], what: str):
+    """A dequantization/quantization scale as it multiplies an operand of shape `operand`.
+
+    Fact: the bridge's FP8 ops broadcast a scale tensor against its operand numpy-style. A
+    0-d or 1-element scale is per tensor; a 1-D scale lines up with the LAST axis (per column);
+    per-row scales must be [rows, 1]. Intel's vllm-gaudi unsqueezes per-token scales to [M, 1]
+    before cast_to_fp8_v2 and fp8_gemm_v2 (A_scale_inv). A scale that would grow the operand is
+    an error."""
+    if scale is None:
+        return None
+    _require(isinstance(scale, torch.Tensor), f"{what}: the scale must be a tensor")
+    if scale.numel() == 1:
+        return scale.reshape(()).float()
+    try:
+        shape = torch.broadcast_shapes(tuple(scale.shape), operand)
+    except RuntimeError:
+        shape = None
+    _require(
+        shape == operand,
+        f"{what}: scale of shape {tuple(scale.shape)} does not broadcast over an operand of "
+        f"shape {operand} (a 1-D scale applies per column; per-row scales are [rows, 1])",
+    )
+    return scale.float()
+
+
+def _fp8_grid(dtype: torch.dtype, limit: float) -> torch.Tensor:
+    """Every finite value of `dtype` within +-limit, ascending, in float32."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    return codes[codes.isfinite() & (codes.abs() <= limit)].unique()
+
+
+def cast_to_fp8_v2(
+    input: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
+    is_amax: bool = False,
+    dtype: torch.dtype = torch.float8_e4m3fn,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Fact: the input is float32, bfloat16 or FP8 (anything else, float16 included, is refused);
+    # an FP8 input passes through unchanged, in its own dtype and without amax. The output is FP8
+    # and the cast saturates at the device's range instead of producing inf/nan. (Bridge:
+    # CastToFp8V2::AddNode and its any-mode tests.)
+    _require(
+        input.dtype in HIGH_PRECISION + FP8_TYPES,
+        f"cast_to_fp8_v2: input dtype {input.dtype} is not float32, bfloat16 or FP8",
+    )
+    _require(dtype in FP8_TYPES, f"cast_to_fp8_v2: output dtype {dtype} is not FP8")
+    if input.dtype in FP8_TYPES:
+        _require(dtype == input.dtype and not is_amax, "cast_to_fp8_v2: FP8 input passes through")
+        return input.clone(), torch.empty(0)
+    y = input.float()
+    s = _scale_over(scale, tuple(input.shape), "cast_to_fp8_v2")
+    if s is not None:
+        y = y * s
+    limit = fp8_limit(dtype)
+    y = y.clamp(-limit, limit)
+    if stochastic_rounding:
+        # Fact: stochastic rounding picks one of the two FP8 values around x*scale; the stand-in
+        # takes the upper one with probability by distance (values already in FP8 stay put).
+        grid = _fp8_grid(dtype, limit)
+        lower_i = (torch.searchsorted(grid, y.reshape(-1), right=True) - 1).clamp(0, len(grid) - 1)
+        upper_i = (lower_i + 1).clamp(max=len(grid) - 1)
+        lower, upper = grid[lower_i].view_as(y), grid[upper_i].view_as(y)
+        gap = upper - lower
+        p_up = torch.where(gap > 0, (y - lower) / torch.where(gap > 0, gap, 1.0), 0.0)
+        y = torch.where(torch.rand_like(y) < p_up, upper, lower)
+    out = y.to(dtype)
+    amax = input.abs().amax().float() if is_amax else torch.empty(0)
+    return out, amax
+
+
+def cast_from_fp8(
+    input: torch.Tensor, scale: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    _require(input.dtype in FP8_TYPES, f"cast_from_fp8: input dtype {input.dtype} is not FP8")
+    _require(out_dtype in HIGH_PRECISION, f"cast_from_fp8: out_dtype {out_dtype}")
+    y = input.float()
+    s = _scale_over(scale, tuple(input.shape), "cast_from_fp8")
+    if s is not None:
+        y = y * s
+    return y.to(out_dtype)
+
+
+def fp8_gemm_v2(
+    A: torch.Tensor,
+    trans_A: bool,
+    B: torch.Tensor,
+    trans_B: bool,
+    D: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    A_scale_inv: torch.Tensor | None = None,
+    B_scale_inv: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    # Fact: out = (op(A) @ op(B)) * A_scale_inv * B_scale_inv (+ bias) (+ D when accumulate),
+    # op transposing the last two axes; the scales broadcast against the [M, N] product, so a
+    # per-row (per-token) A scale is [M, 1] and a 1-D B scale is per output column N (Intel's
+    # per-channel FP8 linear passes x_scale [M, 1] and weight_scale [N] with trans_B=True). The
+    # output is bf16 or fp32; accumulate needs D. (Bridge: Fp8GemmV2::AddNode and its tests.)
+    _require(A.dtype in FP8_TYPES and B.dtype in FP8_TYPES, "fp8_gemm_v2: A and B must be FP8")
+    _require(out_dtype in HIGH_PRECISION, f"fp8_gemm_v2: out_dtype {out_dtype}")
+    a = A.float().transpose(-2, -1) if trans_A else A.float()
+    b = B.float().transpose(-2, -1) if trans_B else B.float()
+    _require(
+        a.shape[-1] == b.shape[-2], f"fp8_gemm_v2: op(A) {a.shape} @ op(B) {b.shape} do not chain"
+    )
+    out = a @ b
+    for name, scale in (("A_scale_inv", A_scale_inv), ("B_scale_inv", B_scale_inv)):
+        s = _scale_over(scale, tuple(out.shape), f"fp8_gemm_v2 {name}")
+        if s is not None:
+            out = out * s
+    if bias is not None:
+        out = out + bias.float()
+    if accumulate:
+        _require(D is not None, "fp8_gemm_v2: accumulate=True needs D")
+        out = out + D.float()  # type: ignore[union-attr]
+    return out.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- 4-bit
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [R, C/8] -> [R, C]; nibble i (from the least significant) of word j is column 8j+i."""
+    parts = [(packed >> (4 * i)) & 0xF for i in range(8)]
+    return torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)
+
+
+def convert_from_uint4(
+    input: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    out_dtype: torch.dtype,
+    g_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    # Fact: weights and zero points are int32 words of eight 4-bit values packed along the output
+    # axis N; scales are [groups, N] in the output's dtype family; the result is [K, N].
+    _require(input.dtype == torch.int32, f"convert_from_uint4: weight dtype {input.dtype}")
+    _require(zero_point.dtype == torch.int32, f"convert_from_uint4: zeros {zero_point.dtype}")
+    _require(out_dtype in HIGH_PRECISION, f"convert_from_uint4: out_dtype {out_dtype}")
+    q = _nibbles(input)
+    z = _nibbles(zero_point)
+    groups, columns = scale.shape
+    _require(
+        columns == q.shape[1] and z.shape == (groups, columns),
+        f"convert_from_uint4: weight {tuple(q.shape)}, zeros {tuple(z.shape)}, scales "
+        f"{tuple(scale.shape)} disagree",
+    )
+    rows = q.shape[0]
+    if g_idx is None:
+        _require(rows % groups == 0, f"convert_from_uint4: {rows} rows in {groups} groups")
+        group = torch.arange(rows) // (rows // groups)
+    else:
+        group = g_idx.long()
+    w = (q - z[group]).float() * scale.float()[group]
+    return w.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- MoE
+MOE_ACTIVATIONS = ("gelu", "relu", "silu")
+
+
+def mixture_of_experts(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    # Fact: the routing table is int64 (the kernel is built for it; Intel casts top-k ids with
+    # .to(torch.int64) before the call); router weights have the activations' dtype.
+    _require(
+        expert_routing_table.dtype == torch.int64,
+        f"mixture_of_experts: expert_routing_table is {expert_routing_table.dtype}, not int64",
+    )
+    _require(
+        router_weights.dtype == hidden_states.dtype,
+        f"mixture_of_experts: router_weights {router_weights.dtype} vs hidden_states "
+        f"{hidden_states.dtype}",
+    )
+    _require(activation in MOE_ACTIVATIONS, f"mixture_of_experts: activation {activation!r}")
+    local = experts_max - experts_min + 1
+    _require(
+        len(w12) == local and len(w3) == local,
+        f"mixture_of_experts: {len(w12)}/{len(w3)} weights for experts "
+        f"{experts_min}..{experts_max}",
+    )
+    x = hidden_states.float()
+    out = torch.zeros_like(x)
+    for slot in range(expert_routing_table.shape[1]):
+        ids = expert_routing_table[:, slot]
+        for e in range(local):
+            rows = (ids == experts_min + e).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            up = w12[e].float() if permuted_weights else w12[e].float().t()
+            down = w3[e].float() if permuted_weights else w3[e].float().t()
+            gate, lin = (x[rows] @ up.t()).chunk(2, dim=-1)
+            if activation == "silu":
+                act = F.silu(gate)
+            elif activation == "gelu":
+                act = F.gelu(gate, approximate="tanh")
+            else:
+                act = F.relu(gate)
+            y = (act * lin) @ down.t()
+            out[rows] += y * router_weights[rows, slot].float().unsqueeze(-1)
+    return out.to(hidden_states.dtype)
