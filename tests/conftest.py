@@ -26,6 +26,11 @@ SELECTION_VARIABLES = ("VLLM_PLUGINS", "VLLM_HPU_EMULATION", "VLLM_TARGET_DEVICE
 
 EnvOverrides = Mapping[str, "str | None"]
 
+# The suite runs Gaudi's lazy mode, where HPU graphs exist, so every engine it starts (they
+# inherit this environment) captures and replays its buckets' graphs. Tests of eager mode set
+# PT_HPU_LAZY_MODE=0 themselves.
+os.environ["PT_HPU_LAZY_MODE"] = "1"
+
 
 def make_env(overrides: EnvOverrides | None = None) -> dict[str, str]:
     """os.environ without the selection variables, with a 1 GiB CPU KV cache, plus `overrides`.

@@ -84,6 +84,37 @@ def test_stand_in_counts_mark_steps(standin_device):
     assert before + 1 == core.MARK_STEPS
 
 
+# ----------------------------------------------------------------------------- graphs
+def test_gaudi_graph_replays_the_recorded_ops_on_the_captured_buffers_only(gaudi, monkeypatch):
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    assert gaudi.graphs_supported()
+    x = torch.arange(4.0)
+    calls = []
+
+    def forward():
+        calls.append(1)  # a Python side effect: a replay does not run it
+        return torch.ops.aten.mul(x, 2) + 1
+
+    graph = gaudi.Graph("step")
+    out = graph.capture(forward, {"x": x})
+    assert out.tolist() == [1.0, 3.0, 5.0, 7.0]
+    x.copy_(torch.tensor([10.0, 20.0, 30.0, 40.0]))  # a static input, updated in place
+
+    again = graph.replay({"x": x})
+
+    assert again is out and out.tolist() == [21.0, 41.0, 61.0, 81.0]
+    assert calls == [1]
+
+
+def test_graphs_exist_in_lazy_mode_only_on_both_backends(gaudi, monkeypatch):
+    # F3: the bridge exports HPUGraph only in lazy mode; Intel compiles with torch.compile in
+    # eager mode. The emulation follows the same rule.
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "0")
+    assert not gaudi.graphs_supported() and not emulated.graphs_supported()
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    assert gaudi.graphs_supported() and emulated.graphs_supported()
+
+
 # ----------------------------------------------------------------------------- fused kernels
 def _qkv(b, hq, hkv, q_len, kv_len, dim=32, dtype=torch.float32, seed=0):
     g = _gen(seed)

@@ -269,6 +269,18 @@ def get_number(name: str, cast: Callable[[str], float] = float, *, lo=None, hi=N
     return value
 
 
+def lazy_mode() -> bool:
+    """Whether Gaudi's lazy mode is on (PT_HPU_LAZY_MODE=1), validated: HPU graphs exist only
+    there; 0 is eager execution with torch.compile."""
+    raw = (get_raw(PT_HPU_LAZY_MODE) or "").strip()
+    if raw not in ("0", "1"):
+        raise EnvError(
+            f"{PT_HPU_LAZY_MODE}={raw!r} is not a mode; set it to 1 (lazy mode, HPU graphs) or "
+            "0 (eager, torch.compile)."
+        )
+    return raw == "1"
+
+
 def prefill_query_slice() -> int:
     """Query tokens per prefill attention slice (VLLM_PREFILL_QUERY_SLICE), validated."""
     raw = (get_raw(VLLM_PREFILL_QUERY_SLICE) or "").strip()

@@ -492,8 +492,7 @@ def _check_bucketing(vllm_config: VllmConfig) -> None:
 def _set_gaudi_runtime_env() -> None:
     """The Gaudi runtime settings that must be fixed before the device is initialized."""
     os.environ.setdefault(envs.PT_HPU_WEIGHT_SHARING, "0")
-    lazy = os.environ.get(envs.PT_HPU_LAZY_MODE, envs.VARIABLES[envs.PT_HPU_LAZY_MODE].default)
-    if lazy == "1":
+    if envs.lazy_mode():
         # Lazy mode builds graphs op by op; dynamo on top of it only costs time.
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         os.environ.setdefault("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true")

@@ -96,11 +96,21 @@ class HPUModelRunner(GPUModelRunner):
         # LoRA steps stay eager: the adapter mapping is not kept in static per-bucket buffers.
         # So do pipeline stages: a graph records input ids and positions only, while a stage
         # after the first reads the previous stage's hidden states and residual.
-        self.graphs = hpu_graphs.BucketGraphs(
-            enabled=not self.model_config.enforce_eager
+        # HPU graphs exist in lazy mode only (PT_HPU_LAZY_MODE=1); in eager mode the steps run
+        # op by op, or through torch.compile where it is on.
+        graphs_wanted = (
+            not self.model_config.enforce_eager
             and self.lora_config is None
             and self.parallel_config.pipeline_parallel_size == 1
         )
+        self.graphs = hpu_graphs.BucketGraphs(
+            enabled=graphs_wanted and self.seam.graphs_supported()
+        )
+        if graphs_wanted and not self.graphs.enabled:
+            logger.info(
+                "HPU graphs are off: they need Gaudi's lazy mode (PT_HPU_LAZY_MODE=1); "
+                "PT_HPU_LAZY_MODE=0 runs steps eagerly or through torch.compile."
+            )
         self._graph_weights: dict[str, torch.nn.Parameter] = {}
         # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
         # (step_layout.split_mixed). Not with LoRA (its token mapping covers the whole step),

@@ -56,6 +56,10 @@ class HpuBackend(Protocol):
     @property
     def Graph(self) -> type: ...
 
+    # Whether this process can capture graphs: HPU graphs exist in Gaudi's lazy mode only
+    # (PT_HPU_LAZY_MODE=1); in eager mode torch.compile builds the device graphs instead.
+    def graphs_supported(self) -> bool: ...
+
     # The stream work is issued on now, and a context that issues its body's work on another
     # (vLLM's runner copies sampled tokens to the host on a side stream under async scheduling).
     def current_stream(self) -> Any: ...

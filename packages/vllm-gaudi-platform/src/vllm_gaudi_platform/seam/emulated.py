@@ -39,6 +39,7 @@ from vllm_gaudi_platform.seam.emulated_runtime import Stream as Stream
 from vllm_gaudi_platform.seam.emulated_runtime import current_stream as current_stream
 from vllm_gaudi_platform.seam.emulated_runtime import device_count as device_count
 from vllm_gaudi_platform.seam.emulated_runtime import device_name as device_name
+from vllm_gaudi_platform.seam.emulated_runtime import graphs_supported as graphs_supported
 from vllm_gaudi_platform.seam.emulated_runtime import mark_step as mark_step
 from vllm_gaudi_platform.seam.emulated_runtime import mem_get_info as mem_get_info
 from vllm_gaudi_platform.seam.emulated_runtime import memory_allocated as memory_allocated

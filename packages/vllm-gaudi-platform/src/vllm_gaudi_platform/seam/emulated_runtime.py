@@ -93,6 +93,13 @@ class Event:
         pass
 
 
+def graphs_supported() -> bool:
+    """As on a Gaudi: graphs only in lazy mode (PT_HPU_LAZY_MODE=1)."""
+    from vllm_gaudi_platform import envs
+
+    return envs.lazy_mode()
+
+
 class Graph:
     """One forward pass "captured" for replay, with the input discipline of an HPU graph.
 

@@ -76,8 +76,16 @@ Stream = hthpu.Stream
 Event = hthpu.Event
 
 
+def graphs_supported() -> bool:
+    """HPU graphs exist in lazy mode only: the bridge exports HPUGraph from
+    habana_frameworks.torch.hpu when PT_HPU_LAZY_MODE is not 0 (Intel's vllm-gaudi wraps its
+    model in HPU graphs only in lazy mode and compiles it with torch.compile otherwise)."""
+    return hasattr(hthpu, "HPUGraph")
+
+
 class Graph:
-    """One forward pass captured as an HPU graph (`habana_frameworks.torch.hpu.HPUGraph`).
+    """One forward pass captured as an HPU graph (`habana_frameworks.torch.hpu.HPUGraph`, lazy
+    mode only: see graphs_supported).
 
     Replay re-runs the recorded ops on the buffers seen at capture and returns the output
     tensors captured then (overwritten by the replay). `inputs` is not read here: the emulated
