@@ -3,7 +3,10 @@ wheels only: nothing here or in the tests imports vllm_gaudi_ops).
 
 - `emulated` (from the root conftest): the seam's emulated backend for one test, behaving as a
   Gaudi 3 unless VLLM_HPU_EMULATION_GAUDI says otherwise.
-- `gaudi2`: the same backend behaving as a Gaudi 2 (E4M3 saturates at 240, not 448).
+- `hpu_backend` (from the root conftest): the seam's backend for one test, once per backend (the
+  emulation, and gaudi.py over the Habana stand-in off Gaudi); both behave as a Gaudi 3 by default.
+- `gaudi2`: `hpu_backend` behaving as a Gaudi 2 (E4M3 saturates at 240, not 448).
+- `as_generation(generation)`: make this test's `hpu_backend` behave as Gaudi `generation` (2 or 3).
 - `relative_error(actual, expected)`: ||actual - expected|| / ||expected|| in float64, the
   measure the tolerances below bound.
 
@@ -28,10 +31,32 @@ FP8_WEIGHT_ONLY_TOLERANCE = 0.05  # relative norm error of x @ w_fp8 (activation
 
 
 @pytest.fixture
-def gaudi2(emulated: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The emulated backend behaving as a Gaudi 2."""
-    monkeypatch.setenv("VLLM_HPU_EMULATION_GAUDI", "2")
-    yield emulated
+def as_generation(
+    hpu_backend: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[int | str], None]:
+    """`as_generation(generation)`: this test's backend behaves as that Gaudi from now on. The
+    emulation reads VLLM_HPU_EMULATION_GAUDI; the stand-in has a GENERATION (skipped on a real
+    Gaudi of another generation, which cannot change what it is)."""
+
+    def select(generation: int | str) -> None:
+        generation = int(generation)
+        if hpu_backend.IS_EMULATED:
+            monkeypatch.setenv("VLLM_HPU_EMULATION_GAUDI", str(generation))
+            return
+        limit = 240.0 if generation == 2 else 448.0
+        if hpu_backend.fp8_max() == limit:
+            return  # already that generation (a real Gaudi of it, or the stand-in's default)
+        # Skipped on a real Gaudi of another generation: only the stand-in can be switched.
+        request.getfixturevalue("standin_device").GENERATION = generation
+
+    return select
+
+
+@pytest.fixture
+def gaudi2(hpu_backend: Any, as_generation: Callable[[int | str], None]) -> Iterator[Any]:
+    """`hpu_backend` behaving as a Gaudi 2."""
+    as_generation(2)
+    yield hpu_backend
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

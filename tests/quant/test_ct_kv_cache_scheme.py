@@ -55,3 +55,37 @@ def test_kv_cache_scheme_hpu_cannot_hold_is_refused_naming_it(change):
     with pytest.raises(ValueError, match="kv_cache_scheme") as excinfo:
         _config(scheme).hpu_check_vllm_config(_vllm_config("auto"))
     assert "strategy 'tensor'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("generation", "factor"), [("3", 1.0), ("2", 448.0 / 240.0)])
+def test_checkpoint_kv_scales_move_into_the_device_fp8_range(
+    emulated, monkeypatch, generation, factor
+):
+    # F10: a checkpoint's k/v scales are written for E4M3 up to 448; Gaudi 2 saturates at 240,
+    # so the cache is quantized with scales 448/240 larger (Intel's compressed-tensors KV method
+    # recomputes them with that ratio).
+    import torch
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsKVCacheMethod,
+    )
+
+    from vllm_gaudi_quant.methods.compressed_tensors import _kv_scales_in_device_range
+
+    monkeypatch.setenv("VLLM_HPU_EMULATION_GAUDI", generation)
+    method = CompressedTensorsKVCacheMethod(_config(dict(KV_CACHE_SCHEME)))
+    _kv_scales_in_device_range(method)
+    layer = torch.nn.Module()
+    layer.kv_cache_dtype = "fp8_inc"
+    for name in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale", "_k_scale_cpu", "_v_scale_cpu"):
+        layer.register_buffer(name, torch.tensor(1.0))  # as vLLM's Attention holds them
+    method.create_weights(layer)
+    layer.k_scale.data.fill_(0.02)
+    layer.v_scale.data.fill_(0.05)
+    layer.q_scale.data.fill_(0.03)
+
+    method.process_weights_after_loading(layer)
+
+    want = (0.02 * factor, 0.05 * factor)
+    got = (float(layer._k_scale), float(layer._v_scale))
+    assert got == pytest.approx(want, rel=1e-6)
+    assert (layer._k_scale_float, layer._v_scale_float) == pytest.approx(want, rel=1e-6)

@@ -1,6 +1,8 @@
-"""The emulated FP8 kernels of the seam against straightforward references: casts checked
-against the table of every E4M3 value, the GEMM against float64 matmuls of explicitly
-dequantized operands.
+"""The FP8 kernels of the seam against straightforward references: casts checked against the
+table of every E4M3 value, the GEMM against float64 matmuls of explicitly dequantized operands.
+Each runs on both backends (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in
+off Gaudi); the emulation's own error messages (shape errors, VLLM_HPU_EMULATION_GAUDI) are
+checked on the emulation only.
 
 Tolerance: the GEMM emulation and the reference compute the same float products, only in a
 different order and precision (float32 vs float64): 1e-5 relative, float32 rounding over K terms.
@@ -28,19 +30,19 @@ def nearest_e4m3(x: torch.Tensor, limit: float) -> torch.Tensor:
     return table[(clamped.reshape(-1, 1) - table).abs().argmin(dim=1)].reshape(x.shape)
 
 
-def test_cast_to_fp8_rounds_each_value_to_a_nearest_e4m3_value(emulated):
+def test_cast_to_fp8_rounds_each_value_to_a_nearest_e4m3_value(hpu_backend):
     x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 30
-    out, _ = emulated.cast_to_fp8_v2(x, None, False, False, FP8)
+    out, _ = hpu_backend.cast_to_fp8_v2(x, None, False, False, FP8)
     assert out.dtype == FP8
     ref = nearest_e4m3(x, 448.0)
     # Ties may round either way in a reference built on argmin; the distance must be minimal.
     assert torch.equal((out.float() - x).abs(), (ref - x).abs())
 
 
-def test_cast_to_fp8_saturates_at_448_on_gaudi3(emulated):
+def test_cast_to_fp8_saturates_at_448_on_gaudi3(hpu_backend):
     x = torch.tensor([1e6, -1e6, 449.0, 464.0, -500.0, 448.0, 0.5])
-    out, _ = emulated.cast_to_fp8_v2(x)
-    assert emulated.fp8_max() == 448.0
+    out, _ = hpu_backend.cast_to_fp8_v2(x)
+    assert hpu_backend.fp8_max() == 448.0
     assert out.float().tolist() == [448.0, -448.0, 448.0, 448.0, -448.0, 448.0, 0.5]
 
 
@@ -64,30 +66,30 @@ def test_unknown_emulated_gaudi_generation_is_an_error_naming_the_variable(emula
 
 
 @pytest.mark.parametrize("form", ["float", "0-d tensor", "1-element tensor"])
-def test_cast_to_fp8_multiplies_by_a_per_tensor_scale(emulated, form):
+def test_cast_to_fp8_multiplies_by_a_per_tensor_scale(hpu_backend, form):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     scale = {
         "float": 37.5,
         "0-d tensor": torch.tensor(37.5),
         "1-element tensor": torch.tensor([37.5]),
     }[form]
-    out, _ = emulated.cast_to_fp8_v2(x, scale)
+    out, _ = hpu_backend.cast_to_fp8_v2(x, scale)
     assert torch.equal(out.float(), nearest_e4m3(x * 37.5, 448.0))
 
 
-def test_cast_to_fp8_multiplies_each_row_by_its_own_scale_given_as_a_column(emulated):
+def test_cast_to_fp8_multiplies_each_row_by_its_own_scale_given_as_a_column(hpu_backend):
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
     scales = torch.tensor([[1.0], [10.0], [100.0], [1000.0]])
-    out, _ = emulated.cast_to_fp8_v2(x, scales)
+    out, _ = hpu_backend.cast_to_fp8_v2(x, scales)
     assert torch.equal(out.float(), nearest_e4m3(x * scales, 448.0))
 
 
-def test_cast_to_fp8_applies_a_1d_scale_per_column_as_gaudi_broadcasts(emulated):
+def test_cast_to_fp8_applies_a_1d_scale_per_column_as_gaudi_broadcasts(hpu_backend):
     # Gaudi broadcasts numpy-style: a 1-D scale runs along the last axis, whatever its meaning
     # to the caller. Square x: a vector of row scales silently scales the columns.
     x = torch.randn(4, 4, generator=torch.Generator().manual_seed(4))
     scales = torch.tensor([1.0, 10.0, 100.0, 1000.0])
-    out, _ = emulated.cast_to_fp8_v2(x, scales)
+    out, _ = hpu_backend.cast_to_fp8_v2(x, scales)
     assert torch.equal(out.float(), nearest_e4m3(x * scales[None, :], 448.0))
 
 
@@ -97,38 +99,38 @@ def test_cast_to_fp8_rejects_a_1d_row_scale_when_rows_differ_from_columns(emulat
         emulated.cast_to_fp8_v2(x, torch.tensor([1.0, 10.0, 100.0, 1000.0]))
 
 
-def test_cast_to_fp8_reports_the_amax_of_the_unscaled_input_when_asked(emulated):
+def test_cast_to_fp8_reports_the_amax_of_the_unscaled_input_when_asked(hpu_backend):
     x = torch.tensor([[1.0, -7.5], [3.0, 2.0]])
-    _, amax = emulated.cast_to_fp8_v2(x, 100.0, False, True)
+    _, amax = hpu_backend.cast_to_fp8_v2(x, 100.0, False, True)
     assert amax.dim() == 0 and amax.item() == 7.5
-    _, none = emulated.cast_to_fp8_v2(x, 100.0, False, False)
+    _, none = hpu_backend.cast_to_fp8_v2(x, 100.0, False, False)
     assert none.numel() == 0
 
 
-def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(emulated):
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(hpu_backend):
     torch.manual_seed(3)
     value = 1.1  # between the E4M3 neighbours 1.0 and 1.125
-    out, _ = emulated.cast_to_fp8_v2(torch.full((20000,), value), None, True)
+    out, _ = hpu_backend.cast_to_fp8_v2(torch.full((20000,), value), None, True)
     assert set(out.float().unique().tolist()) == {1.0, 1.125}
     assert abs(out.float().mean().item() - value) < 0.003
 
 
-def test_stochastic_rounding_keeps_exact_values_and_saturates(emulated):
+def test_stochastic_rounding_keeps_exact_values_and_saturates(hpu_backend):
     x = torch.tensor([1.0, -1.125, 448.0, 1e5, -1e5, 0.0])
-    out, _ = emulated.cast_to_fp8_v2(x, None, True)
+    out, _ = hpu_backend.cast_to_fp8_v2(x, None, True)
     assert out.float().tolist() == [1.0, -1.125, 448.0, 448.0, -448.0, 0.0]
 
 
-def test_cast_from_fp8_multiplies_by_the_scale_in_the_output_dtype(emulated):
+def test_cast_from_fp8_multiplies_by_the_scale_in_the_output_dtype(hpu_backend):
     x = torch.tensor([[1.0, -2.0], [0.5, 448.0]]).to(FP8)
     assert torch.equal(
-        emulated.cast_from_fp8(x, torch.tensor(0.25), torch.float32),
+        hpu_backend.cast_from_fp8(x, torch.tensor(0.25), torch.float32),
         torch.tensor([[0.25, -0.5], [0.125, 112.0]]),
     )
-    per_row = emulated.cast_from_fp8(x, torch.tensor([[2.0], [3.0]]), torch.bfloat16)
+    per_row = hpu_backend.cast_from_fp8(x, torch.tensor([[2.0], [3.0]]), torch.bfloat16)
     assert per_row.dtype == torch.bfloat16
     assert per_row.float().tolist() == [[2.0, -4.0], [1.5, 1344.0]]
-    per_column = emulated.cast_from_fp8(x, torch.tensor([2.0, 3.0]), torch.float32)
+    per_column = hpu_backend.cast_from_fp8(x, torch.tensor([2.0, 3.0]), torch.float32)
     assert per_column.tolist() == [[2.0, -6.0], [1.0, 1344.0]]
 
 
@@ -143,7 +145,7 @@ def _fp8_operand(shape, seed):
 @pytest.mark.parametrize("b_scale", ["tensor", "channel"])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp8_gemm_is_the_matmul_of_the_dequantized_operands(
-    emulated, trans_A, trans_B, a_scale, b_scale, with_bias
+    hpu_backend, trans_A, trans_B, a_scale, b_scale, with_bias
 ):
     M, K, N = 5, 48, 24
     A = _fp8_operand((K, M) if trans_A else (M, K), 10)
@@ -152,7 +154,7 @@ def test_fp8_gemm_is_the_matmul_of_the_dequantized_operands(
     sb = torch.tensor(0.003) if b_scale == "tensor" else torch.linspace(0.001, 0.004, N)
     bias = torch.linspace(-1, 1, N) if with_bias else None
 
-    out = emulated.fp8_gemm_v2(A, trans_A, B, trans_B, None, torch.float32, sa, sb, bias, False)
+    out = hpu_backend.fp8_gemm_v2(A, trans_A, B, trans_B, None, torch.float32, sa, sb, bias, False)
 
     a = A.double().t() if trans_A else A.double()  # [M, K]
     b = B.double().t() if trans_B else B.double()  # [K, N]
@@ -163,20 +165,20 @@ def test_fp8_gemm_is_the_matmul_of_the_dequantized_operands(
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_gemm_accumulates_into_d_when_asked(emulated):
+def test_fp8_gemm_accumulates_into_d_when_asked(hpu_backend):
     A, B = _fp8_operand((3, 16), 12), _fp8_operand((16, 4), 13)
     D = torch.full((3, 4), 7.0)
-    plain = emulated.fp8_gemm_v2(A, False, B, False, None, torch.float32, 0.1, 0.1)
-    summed = emulated.fp8_gemm_v2(A, False, B, False, D, torch.float32, 0.1, 0.1, None, True)
+    plain = hpu_backend.fp8_gemm_v2(A, False, B, False, None, torch.float32, 0.1, 0.1)
+    summed = hpu_backend.fp8_gemm_v2(A, False, B, False, D, torch.float32, 0.1, 0.1, None, True)
     torch.testing.assert_close(summed, plain + 7.0)
-    ignored = emulated.fp8_gemm_v2(A, False, B, False, D, torch.float32, 0.1, 0.1, None, False)
+    ignored = hpu_backend.fp8_gemm_v2(A, False, B, False, D, torch.float32, 0.1, 0.1, None, False)
     torch.testing.assert_close(ignored, plain)
 
 
-def test_fp8_gemm_returns_the_requested_dtype(emulated):
+def test_fp8_gemm_returns_the_requested_dtype(hpu_backend):
     A, B = _fp8_operand((3, 16), 14), _fp8_operand((16, 4), 15)
-    out = emulated.fp8_gemm_v2(A, False, B, False, None, torch.bfloat16, 0.1, 0.1)
-    ref = emulated.fp8_gemm_v2(A, False, B, False, None, torch.float32, 0.1, 0.1)
+    out = hpu_backend.fp8_gemm_v2(A, False, B, False, None, torch.bfloat16, 0.1, 0.1)
+    ref = hpu_backend.fp8_gemm_v2(A, False, B, False, None, torch.float32, 0.1, 0.1)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref.to(torch.bfloat16))
 

@@ -1,4 +1,5 @@
-"""The FP8 linear's building blocks in `vllm_gaudi_quant.methods.fp8`, on the emulated backend:
+"""The FP8 linear's building blocks in `vllm_gaudi_quant.methods.fp8`, on both backends of the
+seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off Gaudi):
 the forward other methods reuse (`apply_fp8_linear`), activation quantization, and the load-time
 conversions of block-scaled weights.
 
@@ -29,7 +30,7 @@ def _fp8_kn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def test_apply_fp8_linear_with_dynamic_activations_matches_the_float_linear(
-    emulated, relative_error
+    hpu_backend, relative_error
 ):
     from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
 
@@ -41,7 +42,7 @@ def test_apply_fp8_linear_with_dynamic_activations_matches_the_float_linear(
     assert relative_error(out, torch.nn.functional.linear(x, w, bias)) < FP8_WEIGHT_ONLY_TOLERANCE
 
 
-def test_apply_fp8_linear_gives_each_token_its_own_scale(emulated, relative_error):
+def test_apply_fp8_linear_gives_each_token_its_own_scale(hpu_backend, relative_error):
     """Tokens a thousand times apart in magnitude are both kept accurate: one scale per token."""
     from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
 
@@ -56,7 +57,7 @@ def test_apply_fp8_linear_gives_each_token_its_own_scale(emulated, relative_erro
 
 @pytest.mark.parametrize("tokens", [5, 128])
 def test_per_token_scales_are_per_row_when_the_batch_is_square_or_not(
-    emulated, relative_error, tokens
+    hpu_backend, relative_error, tokens
 ):
     """Gaudi applies a 1-D scale per column: per-token scales must go in as [M, 1]. With M != K a
     1-D vector is a shape error; with M == K (128 tokens into a 128-wide layer) it would scale
@@ -74,7 +75,7 @@ def test_per_token_scales_are_per_row_when_the_batch_is_square_or_not(
         assert relative_error(out[row], ref[row]) < FP8_WEIGHT_ONLY_TOLERANCE
 
 
-def test_per_channel_weight_quantization_scales_each_output_row(emulated):
+def test_per_channel_weight_quantization_scales_each_output_row(hpu_backend):
     from vllm_gaudi_quant.methods.fp8 import quantize_per_channel
 
     # Square and not: rows a hundred times apart in magnitude each keep their own scale.
@@ -87,7 +88,7 @@ def test_per_channel_weight_quantization_scales_each_output_row(emulated):
         torch.testing.assert_close(back, w, rtol=0.07, atol=0.0)
 
 
-def test_apply_fp8_linear_with_a_static_scale_saturates_larger_activations(emulated):
+def test_apply_fp8_linear_with_a_static_scale_saturates_larger_activations(hpu_backend):
     from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
 
     w8, scale, w = _fp8_kn(_weight(16, 32))
@@ -99,7 +100,7 @@ def test_apply_fp8_linear_with_a_static_scale_saturates_larger_activations(emula
     )
 
 
-def test_apply_fp8_linear_handles_zero_rows_and_an_empty_batch(emulated):
+def test_apply_fp8_linear_handles_zero_rows_and_an_empty_batch(hpu_backend):
     from vllm_gaudi_quant.methods.fp8 import apply_fp8_linear
 
     w8, scale, _ = _fp8_kn(_weight(16, 32))
@@ -108,7 +109,7 @@ def test_apply_fp8_linear_handles_zero_rows_and_an_empty_batch(emulated):
     assert apply_fp8_linear(torch.zeros(0, 32), w8, scale).shape == (0, 16)
 
 
-def test_block_scaled_weights_dequantize_tile_by_tile(emulated):
+def test_block_scaled_weights_dequantize_tile_by_tile(hpu_backend):
     from vllm_gaudi_quant.methods.fp8 import dequantize_blocks
 
     weight = _weight(96, 160, seed=3)  # neither dimension a multiple of the block
@@ -119,15 +120,15 @@ def test_block_scaled_weights_dequantize_tile_by_tile(emulated):
 
 @pytest.mark.parametrize("generation", ["3", "2"])
 def test_per_channel_requantization_stays_within_one_fp8_rounding(
-    emulated, monkeypatch, relative_error, generation
+    hpu_backend, as_generation, relative_error, generation
 ):
     from vllm_gaudi_quant.methods.fp8 import quantize_per_channel
 
-    monkeypatch.setenv("VLLM_HPU_EMULATION_GAUDI", generation)
+    as_generation(generation)
     weight = _weight(64, 96, seed=4) * torch.logspace(-2, 1, 64)[:, None]
     wq, scale = quantize_per_channel(weight)
     assert wq.dtype == torch.float8_e4m3fn and scale.shape == (64,)
-    assert wq.float().abs().max() <= emulated.fp8_max()
+    assert wq.float().abs().max() <= hpu_backend.fp8_max()
     back = wq.float() * scale[:, None]
     # Rows spanning three decades each keep their own precision.
     for row in (0, 63):

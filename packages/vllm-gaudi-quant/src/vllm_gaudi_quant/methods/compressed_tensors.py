@@ -49,6 +49,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
     CompressedTensorsScheme,
 )
+from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 from vllm.model_executor.parameter import (
     BasevLLMParameter,
     ChannelQuantScaleParameter,
@@ -60,6 +61,7 @@ from vllm.model_executor.parameter import (
 )
 
 from vllm_gaudi_quant.methods import fp8
+from vllm_gaudi_quant.methods.fp8_checkpoint import kv_range_factor
 from vllm_gaudi_quant.methods.uint4 import (
     GROUP,
     PACK,
@@ -92,6 +94,26 @@ FP8_KV_CACHE_DTYPE = "fp8_inc"
 SYMMETRIC_ZERO = 8  # the offset compressed-tensors adds to signed 4-bit values when packing
 
 
+def _kv_scales_in_device_range(method: BaseKVCacheMethod) -> None:
+    """After vLLM's KV method has set a layer's k/v scales from the checkpoint, move them into the
+    device's E4M3 range (checkpoint scales are written for 448; Gaudi 2 saturates at 240)."""
+    process = method.process_weights_after_loading
+
+    def process_in_device_range(layer: Any) -> None:
+        from_checkpoint = hasattr(layer, "k_scale") and bool(
+            (layer.k_scale > 0.0).any() or (layer.v_scale > 0.0).any()
+        )
+        process(layer)
+        factor = kv_range_factor()
+        if not from_checkpoint or factor == 1.0:
+            return
+        for name in ("_k_scale", "_v_scale"):
+            getattr(layer, name).mul_(factor)
+            setattr(layer, f"{name}_float", float(getattr(layer, name)))
+
+    method.process_weights_after_loading = process_in_device_range  # type: ignore[method-assign]
+
+
 class HpuCompressedTensorsConfig(CompressedTensorsConfig):
     """compressed-tensors on HPU: vLLM's parsing, Gaudi's kernels."""
 
@@ -112,7 +134,10 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
     def get_quant_method(self, layer: Any, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, RoutedExperts):
             return self._moe_method(layer, prefix)
-        return super().get_quant_method(layer, prefix)
+        method = super().get_quant_method(layer, prefix)
+        if isinstance(method, BaseKVCacheMethod):
+            _kv_scales_in_device_range(method)
+        return method
 
     def _moe_method(self, layer: Any, prefix: str) -> QuantizeMethodBase:
         # Checkpoint configs target "Linear"; the experts are that scheme's linears, fused.

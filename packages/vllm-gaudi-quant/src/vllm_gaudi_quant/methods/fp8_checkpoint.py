@@ -1,13 +1,16 @@
 """Loading vLLM's `fp8` checkpoints: the format's name, its E4M3 range against the device's,
 and the weight and scale loaders of (fused, tensor-parallel) FP8 linear layers.
 
-On Gaudi 2 the E4M3 range ends at 240, not 448: checkpoint weights are scaled into that range as
-they load and their scales scaled back (`seam.fp8_max()`). Used by `methods/fp8.py` (the linear
-method) and `methods/fp8_moe.py` (the experts).
+On Gaudi 2 the E4M3 range ends at 240, not 448: checkpoint weights are halved into that range as
+they load and their scales doubled (`_device_range_factor`), a power of two that keeps every
+weight's value (Intel's plugin does the same). Used by `methods/fp8.py` (the linear method),
+`methods/fp8_moe.py` (the experts) and `methods/compressed_tensors.py` (which also moves the KV
+cache's k/v scales, `kv_range_factor`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +27,20 @@ CHECKPOINT_FP8_MAX = 448.0
 
 # ----------------------------------------------------------------------------- loading
 def _device_range_factor() -> float:
-    """Checkpoint FP8 max over the device's (1 on Gaudi 3, 448/240 on Gaudi 2)."""
+    """What checkpoint weights are divided by (and their scales multiplied by) to fit the
+    device's E4M3 range: the smallest power of two at least the checkpoint's max over the
+    device's, so 1 on Gaudi 3 and 2 on Gaudi 2 (448 / 240 rounded up). A power of two moves
+    FP8 values exactly (the subnormals' lowest bit aside); 448 / 240 itself re-rounded about 90%
+    of the weights. Intel's vllm-gaudi halves FP8 weights and doubles their scales on Gaudi 2."""
+    ratio = CHECKPOINT_FP8_MAX / backend().fp8_max(FP8_DTYPE)
+    return 1.0 if ratio <= 1.0 else float(2 ** math.ceil(math.log2(ratio)))
+
+
+def kv_range_factor() -> float:
+    """What a checkpoint's KV-cache k/v scales are multiplied by on this device: the
+    checkpoint's E4M3 max over the device's (448 / 240 on Gaudi 2). No stored value is re-rounded
+    (the cache is quantized with the moved scale), so the ratio itself is used, as Intel's
+    compressed-tensors KV method does."""
     return CHECKPOINT_FP8_MAX / backend().fp8_max(FP8_DTYPE)
 
 
