@@ -1,4 +1,5 @@
-"""The encoder-attention family: MMEncoderAttention through the seam's fused_sdpa (emulated)
+"""The encoder-attention family: MMEncoderAttention through the seam's fused_sdpa, on both
+backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in),
 against vLLM's forward_native (torch SDPA). Tolerances: conftest TOLERANCES."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _qkv(batch, seq, kv_heads, dtype, *, split_heads, seed=0):
 @pytest.mark.parametrize("split_heads", [False, True])
 @pytest.mark.parametrize("kv_heads", [HEADS, 2])
 def test_encoder_attention_matches_native(
-    emulated, vllm_config, assert_matches, dtype, split_heads, kv_heads
+    hpu_backend, vllm_config, assert_matches, dtype, split_heads, kv_heads
 ):
     layer = HpuMMEncoderAttention(HEADS, HEAD_SIZE, num_kv_heads=kv_heads)
     query, key, value = _qkv(2, 9, kv_heads, dtype, split_heads=split_heads)
@@ -35,12 +36,15 @@ def test_encoder_attention_matches_native(
 
     expected = layer.forward_native(query, key, value)
     assert out.shape == expected.shape
-    assert_matches(out, expected)
+    # Gaudi's fused kernel (the stand-in's, here) keeps scores and softmax in float32, where the
+    # native bfloat16 reference rounds them: up to ~2e-3 apart, the reference being the rougher.
+    gaudi_bf16 = hpu_backend.NAME == "gaudi" and dtype == torch.bfloat16
+    assert_matches(out, expected, **({"atol": 4e-3} if gaudi_bf16 else {}))
 
 
 @pytest.mark.parametrize("split_heads", [False, True])
 def test_packed_sequences_attend_only_within_themselves(
-    emulated, vllm_config, assert_matches, split_heads
+    hpu_backend, vllm_config, assert_matches, split_heads
 ):
     layer = HpuMMEncoderAttention(HEADS, HEAD_SIZE, scale=0.1)
     query, key, value = _qkv(1, 20, HEADS, torch.float32, split_heads=split_heads)
@@ -54,7 +58,7 @@ def test_packed_sequences_attend_only_within_themselves(
     assert_matches(out[:, :5], alone)
 
 
-def test_encoder_attention_forward_oot_counts_each_call(emulated, vllm_config):
+def test_encoder_attention_forward_oot_counts_each_call(hpu_backend, vllm_config):
     layer = HpuMMEncoderAttention(HEADS, HEAD_SIZE)
     before = stats.COUNTS.get("encoder_attention", 0)
 

@@ -1,5 +1,6 @@
-"""The MoE family: UnquantizedFusedMoEMethod (its routing, and its experts through the emulated
-mixture_of_experts kernel) and grouped top-k, against vLLM's own CPU implementations.
+"""The MoE family: UnquantizedFusedMoEMethod (its routing, and its experts through the seam's
+mixture_of_experts kernel) and grouped top-k, against vLLM's own CPU implementations, on both
+backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in).
 
 The MoE reference is vLLM's CPU fused-MoE kernel (`cpu_fused_moe` on prepacked weights, what
 vLLM's CPU platform runs for unquantized experts); it rounds differently from the emulated
@@ -118,7 +119,7 @@ def _vllm_cpu_moe(x, w13, w2, weights, ids, activation="silu"):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "experts", "topk"), [(1, 4, 1), (16, 8, 2), (33, 16, 4)])
 def test_unquantized_moe_matches_vllm_cpu_kernel(
-    emulated, vllm_config, assert_matches, dtype, tokens, experts, topk
+    hpu_backend, vllm_config, assert_matches, dtype, tokens, experts, topk
 ):
     method = HpuUnquantizedFusedMoEMethod(_config(experts, topk, dtype))
     w13, w2 = _weights(experts, dtype)
@@ -131,7 +132,7 @@ def test_unquantized_moe_matches_vllm_cpu_kernel(
     assert_matches(out, expected, **MOE_TOLERANCE[dtype])
 
 
-def test_unquantized_moe_apply_calls_forward_oot_with_vllms_arguments(emulated, vllm_config):
+def test_unquantized_moe_apply_calls_forward_oot_with_vllms_arguments(hpu_backend, vllm_config):
     # vLLM's runner calls apply(), which calls forward() with keyword arguments; on HPU the
     # dispatched forward is forward_oot, so its parameter names must match.
     method = HpuUnquantizedFusedMoEMethod(_config(4, 2, torch.float32))
@@ -146,7 +147,7 @@ def test_unquantized_moe_apply_calls_forward_oot_with_vllms_arguments(emulated, 
     torch.testing.assert_close(out, method.forward_oot(layer, x, weights, ids, None, None))
 
 
-def test_expert_parallel_rank_sums_only_its_own_experts(emulated, vllm_config, assert_matches):
+def test_expert_parallel_rank_sums_only_its_own_experts(hpu_backend, vllm_config, assert_matches):
     # Rank 1 of 2 with round-robin placement: it holds global experts 1, 3, 5, 7.
     experts, topk = 8, 2
     w13, w2 = _weights(experts, torch.float32)
@@ -167,7 +168,7 @@ def test_expert_parallel_rank_sums_only_its_own_experts(emulated, vllm_config, a
 
 
 def test_router_weight_on_input_scales_the_input_instead_of_the_output(
-    emulated, vllm_config, assert_matches
+    hpu_backend, vllm_config, assert_matches
 ):
     # Llama 4 style (top-1): expert(w * x), not w * expert(x); they differ for a nonlinear MLP.
     method = HpuUnquantizedFusedMoEMethod(_config(4, 1, torch.float32))
@@ -184,7 +185,7 @@ def test_router_weight_on_input_scales_the_input_instead_of_the_output(
     assert not torch.allclose(out, scaled_output, atol=1e-3)
 
 
-def test_gelu_tanh_experts_use_the_tanh_approximation(emulated, vllm_config, assert_matches):
+def test_gelu_tanh_experts_use_the_tanh_approximation(hpu_backend, vllm_config, assert_matches):
     method = HpuUnquantizedFusedMoEMethod(
         _config(4, 2, torch.float32, activation=MoEActivation.GELU_TANH)
     )
@@ -202,14 +203,16 @@ def test_gelu_tanh_experts_use_the_tanh_approximation(emulated, vllm_config, ass
     assert_matches(out, expected, **MOE_TOLERANCE[torch.float32])
 
 
-def test_an_activation_neither_path_computes_fails_at_construction_naming_it(emulated, vllm_config):
+def test_an_activation_neither_path_computes_fails_at_construction_naming_it(
+    hpu_backend, vllm_config
+):
     with pytest.raises(ValueError, match=r"'swiglustep'.*kernel supports silu, gelu_tanh"):
         HpuUnquantizedFusedMoEMethod(
             _config(4, 2, torch.float32, activation=MoEActivation.SWIGLUSTEP)
         )
 
 
-def test_hash_routing_fails_at_construction(emulated, vllm_config):
+def test_hash_routing_fails_at_construction(hpu_backend, vllm_config):
     config = _config(4, 2, torch.float32)
     config.has_hash_routing = True
     with pytest.raises(ValueError, match="hash routing"):
@@ -250,7 +253,7 @@ PLAIN_TOLERANCE = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "experts", "topk"), [(1, 4, 1), (16, 8, 2), (33, 16, 4)])
 def test_biased_swigluoai_experts_match_a_float64_reference(
-    emulated, vllm_config, dtype, tokens, experts, topk
+    hpu_backend, vllm_config, dtype, tokens, experts, topk
 ):
     config = _config(experts, topk, dtype, activation=MoEActivation.SWIGLUOAI, has_bias=True)
     method = HpuUnquantizedFusedMoEMethod(config)
@@ -273,7 +276,7 @@ def test_biased_swigluoai_experts_match_a_float64_reference(
     torch.testing.assert_close(out.double(), expected, **PLAIN_TOLERANCE[dtype])
 
 
-def test_biased_silu_experts_match_a_float64_reference(emulated, vllm_config):
+def test_biased_silu_experts_match_a_float64_reference(hpu_backend, vllm_config):
     method = HpuUnquantizedFusedMoEMethod(_config(8, 2, torch.float32, has_bias=True))
     w13, w2 = _weights(8, torch.float32)
     b13, b2 = _biases(8, torch.float32)
@@ -287,7 +290,7 @@ def test_biased_silu_experts_match_a_float64_reference(emulated, vllm_config):
 
 
 def test_swigluoai_experts_equal_transformers_gpt_oss_experts_on_vllms_weight_layout(
-    emulated, vllm_config
+    hpu_backend, vllm_config
 ):
     # transformers keeps gate_up_proj [experts, hidden, 2 * inter] (gate/up interleaved in the
     # last dim) and down_proj [experts, inter, hidden]; vLLM's gpt-oss loader stores their
@@ -321,7 +324,7 @@ def test_swigluoai_experts_equal_transformers_gpt_oss_experts_on_vllms_weight_la
     torch.testing.assert_close(out, expected, atol=1e-10, rtol=1e-10)
 
 
-def test_biased_swigluoai_experts_match_vllms_cpu_kernel(emulated, vllm_config, assert_matches):
+def test_biased_swigluoai_experts_match_vllms_cpu_kernel(hpu_backend, vllm_config, assert_matches):
     # vLLM's CPU backend runs gpt-oss's experts with this kernel (same weight layout).
     config = _config(8, 2, torch.float32, activation=MoEActivation.SWIGLUOAI, has_bias=True)
     method = HpuUnquantizedFusedMoEMethod(config)
@@ -338,7 +341,7 @@ def test_biased_swigluoai_experts_match_vllms_cpu_kernel(emulated, vllm_config, 
     assert_matches(out, expected, **MOE_TOLERANCE[torch.float32])
 
 
-def test_plain_path_expert_parallel_rank_sums_only_its_own_experts(emulated, vllm_config):
+def test_plain_path_expert_parallel_rank_sums_only_its_own_experts(hpu_backend, vllm_config):
     experts, topk = 8, 2
     w13, w2 = _weights(experts, torch.float32)
     b13, b2 = _biases(experts, torch.float32)
@@ -362,18 +365,18 @@ def test_plain_path_expert_parallel_rank_sums_only_its_own_experts(emulated, vll
     torch.testing.assert_close(out.double(), expected, **PLAIN_TOLERANCE[torch.float32])
 
 
-def test_unbiased_silu_experts_still_use_the_kernel(emulated, vllm_config, monkeypatch):
+def test_unbiased_silu_experts_still_use_the_kernel(hpu_backend, vllm_config, monkeypatch):
     method = HpuUnquantizedFusedMoEMethod(_config(4, 2, torch.float32))
     layer = _layer(method, *_weights(4, torch.float32))
     x, weights, ids = _routing(3, 4, 2, torch.float32)
     calls = []
-    kernel = emulated.mixture_of_experts
+    kernel = hpu_backend.mixture_of_experts
 
     def recording_kernel(*args):
         calls.append(args[6])  # the activation
         return kernel(*args)
 
-    monkeypatch.setattr(emulated, "mixture_of_experts", recording_kernel)
+    monkeypatch.setattr(hpu_backend, "mixture_of_experts", recording_kernel)
 
     method.forward_oot(layer, x, weights, ids, None, None)
 
@@ -388,7 +391,7 @@ def test_unquantized_moe_is_always_enabled_and_routes_by_itself(vllm_config):
     assert method.supports_eplb is False
 
 
-def test_an_unsupported_scoring_function_fails_when_the_layer_is_built(emulated, vllm_config):
+def test_an_unsupported_scoring_function_fails_when_the_layer_is_built(hpu_backend, vllm_config):
     method = HpuUnquantizedFusedMoEMethod(_config(4, 2, torch.float32))
     with pytest.raises(ValueError, match="sqrtsoftplus"):
         _layer(method, *_weights(4, torch.float32), scoring_func="sqrtsoftplus")
@@ -411,7 +414,7 @@ ROUTINGS = {
 
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_routing_matches_vllms_cpu_router(emulated, vllm_config, assert_matches, routing):
+def test_routing_matches_vllms_cpu_router(hpu_backend, vllm_config, assert_matches, routing):
     layer = _routed_experts(topk=4, **ROUTINGS[routing])
     gen = torch.Generator().manual_seed(7)
     hidden, logits = torch.randn(10, HIDDEN, generator=gen), torch.randn(10, 16, generator=gen)
@@ -429,7 +432,7 @@ def test_routing_matches_vllms_cpu_router(emulated, vllm_config, assert_matches,
     assert_matches(weights, expected_weights.float())
 
 
-def test_routing_calls_a_custom_routing_function_as_vllm_does(emulated, vllm_config):
+def test_routing_calls_a_custom_routing_function_as_vllm_does(hpu_backend, vllm_config):
     calls = []
 
     def top1_sigmoid(hidden_states, gating_output, topk, renormalize):
@@ -449,14 +452,14 @@ def test_routing_calls_a_custom_routing_function_as_vllm_does(emulated, vllm_con
     assert torch.equal(ids.long(), logits.argmax(-1, keepdim=True))
 
 
-def test_router_logits_for_experts_the_layer_lacks_are_refused(emulated, vllm_config):
+def test_router_logits_for_experts_the_layer_lacks_are_refused(hpu_backend, vllm_config):
     # LongCat appends "zero experts" to the logits; only vLLM's ZeroExpertRouter handles them.
     layer = _routed_experts(experts=16)
     with pytest.raises(ValueError, match="18 experts but the layer has 16"):
         route(layer, torch.randn(3, HIDDEN), torch.randn(3, 18))
 
 
-def test_apply_monolithic_routes_then_runs_the_experts(emulated, vllm_config, assert_matches):
+def test_apply_monolithic_routes_then_runs_the_experts(hpu_backend, vllm_config, assert_matches):
     # What vLLM's runner calls with the router logits; the op's forward is forward_oot on HPU.
     method = HpuUnquantizedFusedMoEMethod(_config(8, 2, torch.float32))
     method._forward_method = method.forward_oot
@@ -471,7 +474,7 @@ def test_apply_monolithic_routes_then_runs_the_experts(emulated, vllm_config, as
     assert_matches(out, _vllm_cpu_moe(x, w13, w2, weights, ids), **MOE_TOLERANCE[torch.float32])
 
 
-def test_apply_monolithic_hands_the_routed_experts_to_vllms_sink(emulated, vllm_config):
+def test_apply_monolithic_hands_the_routed_experts_to_vllms_sink(hpu_backend, vllm_config):
     # vLLM binds a sink (buffer + callback) to each MoE layer when a caller asks which experts
     # every token went to; its own monolithic kernels fill it, and so must the HPU method.
     method = HpuUnquantizedFusedMoEMethod(_config(8, 2, torch.float32))
@@ -502,7 +505,7 @@ def _sorted_by_expert(weights, ids):
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("routed_scaling_factor", [1.0, 2.5])
 def test_grouped_topk_matches_native(
-    emulated, vllm_config, assert_matches, scoring_func, with_bias, renormalize,
+    hpu_backend, vllm_config, assert_matches, scoring_func, with_bias, renormalize,
     routed_scaling_factor,
 ):  # fmt: skip
     layer = HpuGroupedTopk(
@@ -532,7 +535,7 @@ def test_grouped_topk_matches_native(
     assert_matches(weights, expected_weights)
 
 
-def test_grouped_topk_never_picks_an_expert_outside_the_kept_groups(emulated, vllm_config):
+def test_grouped_topk_never_picks_an_expert_outside_the_kept_groups(hpu_backend, vllm_config):
     layer = HpuGroupedTopk(topk=2, renormalize=True, num_expert_group=4, topk_group=1)
     logits = torch.full((1, 16), -5.0)
     logits[0, 0] = 5.0  # group 0 has the single best expert...

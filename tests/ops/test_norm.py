@@ -1,4 +1,5 @@
-"""The norm family's Gaudi path (emulated kernels) against vLLM's forward_native.
+"""The norm family's Gaudi path against vLLM's forward_native, on both backends of the seam
+(`hpu_backend`: the emulated kernels, and gaudi.py over the Habana stand-in).
 
 Tolerances: conftest TOLERANCES (vLLM's kernel-vs-native defaults). The kernel applies the
 weight in float32 and normalises x + residual as rounded to the input dtype, where vLLM
@@ -38,7 +39,7 @@ def _compare(layer, x, residual, assert_matches):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_matches_native(
-    emulated, vllm_config, assert_matches, dtype, shape, with_residual
+    hpu_backend, vllm_config, assert_matches, dtype, shape, with_residual
 ):
     layer = HpuRMSNorm(shape[-1], eps=1e-5, dtype=dtype)
     layer.weight.data.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(1))
@@ -47,7 +48,7 @@ def test_rms_norm_matches_native(
     _compare(layer, x, residual if with_residual else None, assert_matches)
 
 
-def test_rms_norm_returns_the_input_shape_and_a_tuple_with_residual(emulated, vllm_config):
+def test_rms_norm_returns_the_input_shape_and_a_tuple_with_residual(hpu_backend, vllm_config):
     layer = HpuRMSNorm(96)
     x, residual = _inputs((2, 5, 96), torch.float32)
 
@@ -58,7 +59,7 @@ def test_rms_norm_returns_the_input_shape_and_a_tuple_with_residual(emulated, vl
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_without_learned_weight_matches_native(
-    emulated, vllm_config, assert_matches, dtype
+    hpu_backend, vllm_config, assert_matches, dtype
 ):
     layer = HpuRMSNorm(64, has_weight=False)
     x, residual = _inputs((5, 64), dtype)
@@ -68,7 +69,7 @@ def test_rms_norm_without_learned_weight_matches_native(
 
 
 def test_rms_norm_with_a_partial_variance_size_matches_native(
-    emulated, vllm_config, assert_matches
+    hpu_backend, vllm_config, assert_matches
 ):
     layer = HpuRMSNorm(64, var_hidden_size=48)
     x, residual = _inputs((5, 64), torch.float32)
@@ -81,7 +82,7 @@ def test_rms_norm_with_a_partial_variance_size_matches_native(
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_gemma_rms_norm_matches_native(
-    emulated, vllm_config, assert_matches, dtype, shape, with_residual
+    hpu_backend, vllm_config, assert_matches, dtype, shape, with_residual
 ):
     layer = HpuGemmaRMSNorm(shape[-1], eps=1e-6)
     # Gemma weights are offsets around 0 (scale = 1 + weight), stored in the model dtype.
@@ -93,7 +94,7 @@ def test_gemma_rms_norm_matches_native(
     _compare(layer, x, residual if with_residual else None, assert_matches)
 
 
-def test_norm_forward_oot_counts_each_call(emulated, vllm_config):
+def test_norm_forward_oot_counts_each_call(hpu_backend, vllm_config):
     layer = HpuRMSNorm(64)
     before = stats.COUNTS.get("norm", 0)
 

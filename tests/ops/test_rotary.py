@@ -1,4 +1,5 @@
-"""The rotary family's Gaudi path (emulated kernels) against vLLM's forward_native, per variant.
+"""The rotary family's Gaudi path against vLLM's forward_native, per variant, on both backends of
+the seam (`hpu_backend`: the emulated kernels, and gaudi.py over the Habana stand-in).
 
 Each Hpu* class inherits its variant's cos/sin cache, so forward_oot and forward_native of the
 same instance see the same cache; only the rotation differs (the kernel vs vLLM's torch code).
@@ -65,7 +66,7 @@ def _assert_pair(got, expected, assert_matches):
 @pytest.mark.parametrize("rotary_dim", [HEAD, HEAD // 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cached_variant_matches_native(
-    emulated, vllm_config, assert_matches, variant, is_neox_style, rotary_dim, dtype
+    hpu_backend, vllm_config, assert_matches, variant, is_neox_style, rotary_dim, dtype
 ):
     cls, extra = CACHED_VARIANTS[variant]
     layer = cls(
@@ -86,7 +87,7 @@ def test_cached_variant_matches_native(
 
 
 def test_rotary_embedding_rotates_the_query_alone_when_key_is_none(
-    emulated, vllm_config, assert_matches
+    hpu_backend, vllm_config, assert_matches
 ):
     layer = rotary.HpuRotaryEmbedding(HEAD, HEAD, MAX_POS, BASE, True, torch.float32)
     positions = _positions(5)
@@ -97,7 +98,9 @@ def test_rotary_embedding_rotates_the_query_alone_when_key_is_none(
     _assert_pair(got, layer.forward_native(positions, query, None), assert_matches)
 
 
-def test_rotary_embedding_accepts_2d_positions_and_3d_query(emulated, vllm_config, assert_matches):
+def test_rotary_embedding_accepts_2d_positions_and_3d_query(
+    hpu_backend, vllm_config, assert_matches
+):
     layer = rotary.HpuRotaryEmbedding(HEAD, HEAD // 2, MAX_POS, BASE, False, torch.float32)
     positions = _positions(2, 3)
     query = torch.randn(2, 3, 4 * HEAD)
@@ -111,7 +114,7 @@ def test_rotary_embedding_accepts_2d_positions_and_3d_query(emulated, vllm_confi
 @pytest.mark.parametrize("is_neox_style", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemma4_proportional_rope_matches_native(
-    emulated, vllm_config, assert_matches, is_neox_style, dtype
+    hpu_backend, vllm_config, assert_matches, is_neox_style, dtype
 ):
     layer = rotary.HpuGemma4RotaryEmbedding(HEAD, HEAD // 2, MAX_POS, BASE, is_neox_style, dtype)
     positions = _positions(7)
@@ -126,7 +129,7 @@ def test_gemma4_proportional_rope_matches_native(
 @pytest.mark.parametrize("with_offsets", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_deepseek_scaling_matches_native(
-    emulated, vllm_config, assert_matches, is_neox_style, with_offsets, dtype
+    hpu_backend, vllm_config, assert_matches, is_neox_style, with_offsets, dtype
 ):
     layer = rotary.HpuDeepseekScalingRotaryEmbedding(
         HEAD, HEAD // 2, MAX_POS, BASE, is_neox_style, 4.0, dtype, mscale=1.0, mscale_all_dim=0.8
@@ -146,7 +149,7 @@ def test_deepseek_scaling_matches_native(
 @pytest.mark.parametrize("with_key", [True, False])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_deepseek_v4_scaling_matches_native(
-    emulated, vllm_config, assert_matches, inverse, with_key, dtype
+    hpu_backend, vllm_config, assert_matches, inverse, with_key, dtype
 ):
     layer = rotary.HpuDeepseekV4ScalingRotaryEmbedding(
         HEAD, HEAD // 2, MAX_POS, BASE, False, 4.0, dtype
@@ -165,7 +168,7 @@ def test_deepseek_v4_scaling_matches_native(
 @pytest.mark.parametrize("multimodal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mrope_matches_native(
-    emulated, vllm_config, assert_matches, interleaved, multimodal, dtype
+    hpu_backend, vllm_config, assert_matches, interleaved, multimodal, dtype
 ):
     layer = rotary.HpuMRotaryEmbedding(
         HEAD, HEAD, MAX_POS, BASE, True, dtype, mrope_section=[8, 12, 12],
@@ -182,7 +185,7 @@ def test_mrope_matches_native(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mrope_with_yarn_scaling_and_partial_rotation_matches_native(
-    emulated, vllm_config, assert_matches, dtype
+    hpu_backend, vllm_config, assert_matches, dtype
 ):
     layer = rotary.HpuMRotaryEmbedding(
         HEAD, HEAD // 2, MAX_POS, BASE, True, dtype, mrope_section=[4, 6, 6], scaling_factor=2.0
@@ -197,7 +200,7 @@ def test_mrope_with_yarn_scaling_and_partial_rotation_matches_native(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mrope_interleaved_class_matches_its_vllm_forward(
-    emulated, vllm_config, assert_matches, dtype
+    hpu_backend, vllm_config, assert_matches, dtype
 ):
     layer = rotary.HpuMRotaryEmbeddingInterleaved(
         HEAD, HEAD, MAX_POS, BASE, True, dtype, mrope_section=[12, 10, 10]
@@ -213,7 +216,9 @@ def test_mrope_interleaved_class_matches_its_vllm_forward(
 
 @pytest.mark.parametrize("multimodal", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ernie45_vl_rope_matches_native(emulated, vllm_config, assert_matches, multimodal, dtype):
+def test_ernie45_vl_rope_matches_native(
+    hpu_backend, vllm_config, assert_matches, multimodal, dtype
+):
     layer = rotary.HpuErnie4_5_VLRotaryEmbedding(
         HEAD, HEAD, MAX_POS, BASE, False, dtype, mrope_section=[12, 12, 8]
     )
@@ -228,7 +233,7 @@ def test_ernie45_vl_rope_matches_native(emulated, vllm_config, assert_matches, m
 @pytest.mark.parametrize("is_neox_style", [True, False])
 @pytest.mark.parametrize("multimodal", [False, True])
 def test_bailing_mrope_matches_native(
-    emulated, vllm_config, assert_matches, is_neox_style, multimodal
+    hpu_backend, vllm_config, assert_matches, is_neox_style, multimodal
 ):
     layer = rotary.HpuBailingMRotaryEmbedding(
         HEAD, HEAD, MAX_POS, BASE, is_neox_style, torch.float32, mrope_section=[8, 12, 12]
@@ -242,7 +247,7 @@ def test_bailing_mrope_matches_native(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fourier_rope_matches_native(emulated, vllm_config, assert_matches, dtype):
+def test_fourier_rope_matches_native(hpu_backend, vllm_config, assert_matches, dtype):
     layer = rotary.HpuFourierRotaryEmbedding(
         HEAD, HEAD, MAX_POS, BASE, True, dtype, init_cache=False, num_key_value_heads=2,
         num_inv_freq=None, fope_sep_head=True, fope_init_factor=0.1,
@@ -260,7 +265,7 @@ def test_fourier_rope_matches_native(emulated, vllm_config, assert_matches, dtyp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_llama4_vision_rope_matches_native(emulated, vllm_config, assert_matches, dtype):
+def test_llama4_vision_rope_matches_native(hpu_backend, vllm_config, assert_matches, dtype):
     patches = 16  # a 4 x 4 grid, plus the class token
     # vLLM's Llama 4 vision model builds this rope with a complex cache dtype.
     layer = rotary.HpuLlama4VisionRotaryEmbedding(
@@ -280,7 +285,7 @@ def test_llama4_vision_rope_matches_native(emulated, vllm_config, assert_matches
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_apply_rotary_emb_matches_native(
-    emulated, vllm_config, assert_matches, is_neox_style, enable_fp32_compute, batched, dtype
+    hpu_backend, vllm_config, assert_matches, is_neox_style, enable_fp32_compute, batched, dtype
 ):
     layer = rotary.HpuApplyRotaryEmb(
         is_neox_style=is_neox_style, enable_fp32_compute=enable_fp32_compute
@@ -293,7 +298,7 @@ def test_apply_rotary_emb_matches_native(
     assert_matches(layer.forward_oot(x, cos, sin), layer.forward_native(x, cos, sin))
 
 
-def test_rotary_forward_oot_counts_each_call(emulated, vllm_config):
+def test_rotary_forward_oot_counts_each_call(hpu_backend, vllm_config):
     layer = rotary.HpuRotaryEmbedding(HEAD, HEAD, MAX_POS, BASE, True, torch.float32)
     query, key = _qk(3, 2, 1, torch.float32)
     before = stats.COUNTS.get("rotary", 0)

@@ -18,8 +18,10 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture(autouse=True)
-def _emulation(monkeypatch):
-    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+def _backend(hpu_backend):
+    """Every test runs on both backends of the seam: the emulation, and gaudi.py (over the Habana
+    stand-in off Gaudi)."""
+    return hpu_backend
 
 
 def _impl(window=None, softcap=None, sinks=None, alibi=None):

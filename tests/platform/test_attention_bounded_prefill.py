@@ -1,5 +1,6 @@
-"""Bounded prefill memory and window-narrowed block gathers in the HPU attention backend
-(emulation), each checked against the float64 per-sequence reference of test_attention.py:
+"""Bounded prefill memory and window-narrowed block gathers in the HPU attention backend, on both
+backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off
+Gaudi), each checked against the float64 per-sequence reference of test_attention.py:
 
 - prefill rows of one sequence without context, window or soft-cap call the fused SDPA in its
   causal mode with valid lengths and no mask, and equal the masked path;
@@ -23,13 +24,8 @@ from vllm_gaudi_platform.seam import emulated as kernels
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
-@pytest.fixture(autouse=True)
-def _emulation(emulated):
-    return emulated
-
-
 @pytest.fixture
-def attention(_emulation):
+def attention(hpu_backend):
     """The attention metadata module: `HPUAttentionMetadata` and `window_blocks`, which its
     window narrowing reads (so a patch of it here turns narrowing off)."""
     from vllm_gaudi_platform.attention import metadata as attention
@@ -38,16 +34,16 @@ def attention(_emulation):
 
 
 @pytest.fixture
-def sdpa_calls(monkeypatch):
+def sdpa_calls(monkeypatch, hpu_backend):
     """Every fused_sdpa call of the backend: its keyword arguments and tensor shapes."""
     calls = []
-    real = kernels.fused_sdpa
+    real = hpu_backend.fused_sdpa
 
     def spy(query, key, value, **kwargs):
         calls.append({"q": query.shape, "k": key.shape, **kwargs})
         return real(query, key, value, **kwargs)
 
-    monkeypatch.setattr(kernels, "fused_sdpa", spy)
+    monkeypatch.setattr(hpu_backend, "fused_sdpa", spy)
     return calls
 
 
@@ -178,7 +174,7 @@ def test_windowed_prefill_gather_count_comes_from_bucket_and_window(monkeypatch,
     assert seen == [(20, (2, wb), wb * BLOCK + 16)] * 3
 
 
-def test_packed_prefill_with_context_gathers_every_block_and_stays_exact():
+def test_packed_prefill_with_context_gathers_every_block_and_stays_exact(hpu_backend):
     # Two sequences with context in one row: narrowing would need a block count per sequence,
     # so the packed variant gathers the whole context bucket.
     plan = _plan(prompt=[(1, 48, 12)])

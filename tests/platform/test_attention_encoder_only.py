@@ -14,8 +14,10 @@ from vllm_gaudi_platform.attention import step_layout
 
 
 @pytest.fixture(autouse=True)
-def _emulation(monkeypatch):
-    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+def _backend(hpu_backend):
+    """Every test runs on both backends of the seam: the emulation, and gaudi.py (over the Habana
+    stand-in off Gaudi)."""
+    return hpu_backend
 
 
 def _bidirectional_reference(q, k, v):

@@ -1,5 +1,6 @@
-"""The HPU attention backend with an FP8 KV cache (kv_cache_dtype fp8_inc / fp8 / fp8_e4m3), in
-emulation: new keys and values are written through the seam's saturating cast_to_fp8_v2 with the
+"""The HPU attention backend with an FP8 KV cache (kv_cache_dtype fp8_inc / fp8 / fp8_e4m3), on
+both backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off
+Gaudi): new keys and values are written through the seam's saturating cast_to_fp8_v2 with the
 layer's k/v scale, cached ones are read back through cast_from_fp8, in prefill with cached context
 and in paged decode. Compared with the same step on a float32 cache.
 
@@ -22,11 +23,6 @@ BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 32
 NUM_BLOCKS = 32
 FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(autouse=True)
-def _emulation(emulated):
-    return emulated
 
 
 def _step(query_lens, ctx_lens, kv_cache_dtype, k_scale, v_scale, seed=0):
@@ -96,7 +92,7 @@ STEPS = {
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_inc", "fp8", "fp8_e4m3"])
 @pytest.mark.parametrize("step", sorted(STEPS))
-def test_fp8_cache_attention_stays_close_to_the_float_cache(step, kv_cache_dtype):
+def test_fp8_cache_attention_stays_close_to_the_float_cache(hpu_backend, step, kv_cache_dtype):
     query_lens, ctx_lens = STEPS[step]
     # Scales as INC derives them: max |value| / 448, here with a margin over the randn range.
     scale = 5.0 / 448.0
@@ -107,7 +103,7 @@ def test_fp8_cache_attention_stays_close_to_the_float_cache(step, kv_cache_dtype
     assert err.max() > 0  # the FP8 path really ran
 
 
-def test_new_keys_and_values_are_written_as_fp8_with_the_layer_scales():
+def test_new_keys_and_values_are_written_as_fp8_with_the_layer_scales(hpu_backend):
     from vllm_gaudi_platform.seam import backend
 
     k_scale, v_scale = 4.0 / 448.0, 3.0 / 448.0
@@ -123,7 +119,7 @@ def test_new_keys_and_values_are_written_as_fp8_with_the_layer_scales():
     assert torch.equal(written[..., DIM:].view(torch.uint8), expected_v.view(torch.uint8))
 
 
-def test_values_beyond_the_scale_range_saturate_instead_of_overflowing():
+def test_values_beyond_the_scale_range_saturate_instead_of_overflowing(hpu_backend):
     # A scale too small for the data: values saturate at +-448 * scale, never become NaN.
     out, flat, slots, _ = _step([1, 1], [30, 60], "fp8_inc", 0.5 / 448.0, 0.5 / 448.0)
     assert torch.isfinite(out).all()

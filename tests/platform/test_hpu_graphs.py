@@ -1,6 +1,7 @@
-"""HPU graphs in emulation: the seam's Graph refuses a replay whose inputs are not the captured
-buffers (a Gaudi would silently replay stale data), and a bucket's static attention metadata,
-filled in place from a step, gives that step's attention output."""
+"""HPU graphs in emulation: the seam's Graph replays the tensor ops its capture recorded (Python
+inside the captured region does not run again, as on a Gaudi), refuses a replay whose inputs are
+not the captured buffers (a Gaudi would silently replay stale data), and a bucket's static
+attention metadata, filled in place from a step, gives that step's attention output."""
 
 from __future__ import annotations
 
@@ -30,13 +31,60 @@ def _counting_graph(emulated, inputs):
     return graph, calls
 
 
-def test_replay_with_the_captured_buffers_runs_the_captured_callable(emulated):
+def test_replay_runs_the_recorded_ops_on_the_captured_buffers_and_not_the_python(emulated):
     x = torch.arange(4.0)
     graph, calls = _counting_graph(emulated, {"x": x})
+    captured = graph.replay({"x": x})
     x.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))  # updated in place: allowed
     out = graph.replay({"x": x})
-    assert out.tolist() == [10.0, 12.0, 14.0, 16.0]
-    assert len(calls) == 2
+    assert out is captured and out.tolist() == [10.0, 12.0, 14.0, 16.0]
+    # The side effect (a callback, a counter) ran at capture only: a Gaudi replays device ops.
+    assert len(calls) == 1
+
+
+def test_a_value_read_into_python_at_capture_is_frozen_in_the_graph(emulated):
+    # A branch or scalar taken from a tensor with .item() is fixed at capture, as on a Gaudi: the
+    # reason a graph's branch-deciding values must be fixed per bucket.
+    x = torch.tensor([1.0, 2.0])
+    graph = emulated.Graph("frozen")
+    graph.capture(lambda: x * float(x.sum()), {"x": x})
+    x.copy_(torch.tensor([10.0, 20.0]))
+    assert graph.replay({"x": x}).tolist() == [30.0, 60.0]  # 3.0, the sum at capture
+
+
+def test_seam_kernels_rerun_whole_at_replay_on_the_replay_data(emulated):
+    # A fused kernel is one entry of the recording: its own data-dependent work (the MoE's
+    # routing, here) follows the replay's inputs, as the kernel on a Gaudi does.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 8, generator=g)
+    table = torch.zeros(6, 1, dtype=torch.int64)
+    weights = torch.ones(6, 1)
+    w12 = [torch.randn(8, 8, generator=g) for _ in range(3)]
+    w3 = [torch.randn(8, 4, generator=g) for _ in range(3)]
+
+    def forward():
+        return emulated.mixture_of_experts(x, table, weights, w12, w3, True, "silu", 0, 2) + 1
+
+    graph = emulated.Graph("moe")
+    graph.capture(forward, {"x": x, "table": table})
+    table.copy_(torch.tensor([[2], [1], [0], [2], [1], [1]]))
+    x.mul_(3)
+
+    out = graph.replay({"x": x, "table": table})
+
+    torch.testing.assert_close(out, forward())
+
+
+def test_intermediates_are_not_kept_between_replays(emulated):
+    x = torch.ones(1000)
+    graph = emulated.Graph("free")
+    graph.capture(lambda: ((x * 2).exp() + 1).sum(), {"x": x})
+    referenced = [
+        leaf for _, args, _, _ in graph._entries for leaf in args if isinstance(leaf, torch.Tensor)
+    ]
+    # Only the captured input is referenced by the recording; the products are numbered slots.
+    assert referenced and all(leaf is x for leaf in referenced)
+    assert graph.num_ops == 4
 
 
 def test_replay_with_a_reallocated_input_fails_naming_the_input(emulated):

@@ -1,6 +1,8 @@
 """The seam's batched LoRA kernels and the HPU punica wrapper, against a naive float64 reference
-that loops over tokens and picks each token's adapter. The wrapper tests take the `emulated`
-fixture: the wrapper resolves the seam's backend (emulated under VLLM_HPU_EMULATION=cpu)."""
+that loops over tokens and picks each token's adapter. The kernels and the wrapper's products run
+on both backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in
+off Gaudi; the wrapper resolves the seam's backend); the wrapper's bookkeeping tests take the
+`emulated` fixture."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import torch
 from vllm.lora.layers import LoRAMapping
 
 from vllm_gaudi_platform.runner.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
-from vllm_gaudi_platform.seam import emulated as kernels
 
 SLOTS, RANK, IN, OUT = 3, 8, 48, 40
 # Token slots mixing every adapter, runs of the same one, and no adapter (-1).
@@ -33,12 +34,12 @@ def _reference_expand(x, lora_b, slots):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_shrink_applies_each_tokens_own_adapter(dtype):
+def test_lora_shrink_applies_each_tokens_own_adapter(hpu_backend, dtype):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(len(TOKEN_SLOTS), IN, generator=g).to(dtype)
     lora_a = torch.randn(SLOTS, RANK, IN, generator=g).to(dtype)
     slots = torch.tensor(TOKEN_SLOTS)
-    out = kernels.lora_shrink(x, lora_a, slots, 0.5)
+    out = hpu_backend.lora_shrink(x, lora_a, slots, 0.5)
     assert out.dtype == torch.float32 and out.shape == (len(TOKEN_SLOTS), RANK)
     torch.testing.assert_close(
         out.double(), _reference_shrink(x, lora_a, TOKEN_SLOTS, 0.5), rtol=1e-5, atol=1e-4
@@ -46,25 +47,25 @@ def test_lora_shrink_applies_each_tokens_own_adapter(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_expand_applies_each_tokens_own_adapter(dtype):
+def test_lora_expand_applies_each_tokens_own_adapter(hpu_backend, dtype):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(len(TOKEN_SLOTS), RANK, generator=g)
     lora_b = torch.randn(SLOTS, OUT, RANK, generator=g).to(dtype)
     slots = torch.tensor(TOKEN_SLOTS)
-    out = kernels.lora_expand(x, lora_b, slots)
+    out = hpu_backend.lora_expand(x, lora_b, slots)
     assert out.dtype == torch.float32 and out.shape == (len(TOKEN_SLOTS), OUT)
     torch.testing.assert_close(
         out.double(), _reference_expand(x, lora_b, TOKEN_SLOTS), rtol=1e-5, atol=1e-4
     )
 
 
-def test_lora_kernels_leave_tokens_without_adapter_at_zero():
+def test_lora_kernels_leave_tokens_without_adapter_at_zero(hpu_backend):
     x = torch.randn(4, IN)
     lora_a = torch.randn(SLOTS, RANK, IN)
     lora_b = torch.randn(SLOTS, OUT, RANK)
     none = torch.full((4,), -1)
-    assert not kernels.lora_shrink(x, lora_a, none, 1.0).any()
-    assert not kernels.lora_expand(torch.randn(4, RANK), lora_b, none).any()
+    assert not hpu_backend.lora_shrink(x, lora_a, none, 1.0).any()
+    assert not hpu_backend.lora_expand(torch.randn(4, RANK), lora_b, none).any()
 
 
 def _wrapper(slot_ids: list[int], num_padded: int) -> PunicaWrapperHPU:
@@ -77,7 +78,7 @@ def _wrapper(slot_ids: list[int], num_padded: int) -> PunicaWrapperHPU:
     return wrapper
 
 
-def test_punica_wrapper_adds_scaled_lora_per_slice_and_leaves_padding_alone(emulated):
+def test_punica_wrapper_adds_scaled_lora_per_slice_and_leaves_padding_alone(hpu_backend):
     g = torch.Generator().manual_seed(2)
     slices = (OUT, 24)  # two stacked output slices, like a fused q/v projection
     n, pad = len(TOKEN_SLOTS), 5
@@ -113,7 +114,7 @@ def _reuse(wrapper: PunicaWrapperHPU, slot_ids: list[int]) -> PunicaWrapperHPU:
     return wrapper
 
 
-def test_punica_wrapper_split_shrink_and_expand_equal_the_fused_linear(emulated):
+def test_punica_wrapper_split_shrink_and_expand_equal_the_fused_linear(hpu_backend):
     g = torch.Generator().manual_seed(3)
     wrapper = _wrapper(TOKEN_SLOTS, 0)
     n = len(TOKEN_SLOTS)
@@ -149,7 +150,7 @@ def test_punica_wrapper_refuses_mixture_of_experts_lora_by_name(emulated):
         wrapper.add_lora_w13(torch.zeros(1), torch.zeros(1))
 
 
-def test_unwarmed_lora_shapes_ignore_the_token_count_and_report_a_new_width(emulated):
+def test_unwarmed_lora_shapes_ignore_the_token_count_and_report_a_new_width(hpu_backend):
     wrapper = _wrapper(TOKEN_SLOTS, 0)
     x = torch.randn(len(TOKEN_SLOTS), IN)
     lora_a = (torch.randn(SLOTS, 1, RANK, IN),)

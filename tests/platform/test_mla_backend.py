@@ -20,8 +20,10 @@ SCALE = 1 / math.sqrt(NOPE + ROPE)
 
 
 @pytest.fixture(autouse=True)
-def _emulation(monkeypatch):
-    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+def _backend(hpu_backend):
+    """Every test runs on both backends of the seam: the emulation, and gaudi.py (over the Habana
+    stand-in off Gaudi)."""
+    return hpu_backend
 
 
 def _kv_b_proj(gen: torch.Generator) -> torch.nn.Linear:

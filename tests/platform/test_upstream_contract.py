@@ -809,6 +809,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_forward_with_metadata",
                 "_graph_forward",
                 "_graph_inputs",
+                "_live_weights",
                 "_static_metadata",
                 "recapture_graphs",
                 "_attention_layer_names",

@@ -1,9 +1,10 @@
-"""vLLM's `fp8` checkpoints on vLLM's own linear layers, in CPU emulation: checkpoint tensors made
-by the test packers (per-tensor, per-channel and block weight scales; static and dynamic
-activations) are loaded through each layer's weight loaders (fused q/k/v and gate/up shards
-included), processed once, and the quantized layer must compute what the float layer computes on
-the dequantized weights. Runs in a fresh process (vLLM's tensor-parallel state is process-wide);
-no engine. Both emulated Gaudi generations run in that one process.
+"""vLLM's `fp8` checkpoints on vLLM's own linear layers, on both backends of the seam (CPU
+emulation, and gaudi.py over the Habana stand-in): checkpoint tensors made by the test packers
+(per-tensor, per-channel and block weight scales; static and dynamic activations) are loaded
+through each layer's weight loaders (fused q/k/v and gate/up shards included), processed once,
+and the quantized layer must compute what the float layer computes on the dequantized weights.
+Runs in a fresh process per backend (vLLM's tensor-parallel state is process-wide); no engine.
+Both Gaudi generations run in that one process.
 
 Tolerance (relative norm error of the layer output, see tests/quant/conftest.py): the weights are
 exactly the dequantized ones, so per-tensor and per-channel layers differ from the float layer
@@ -103,8 +104,7 @@ with set_current_vllm_config(VllmConfig()):
     initialize_model_parallel(1, 1)
     results = {}
     for generation in ("3", "2"):
-        # fp8_max() reads the variable at each call, so one process can emulate both.
-        os.environ["VLLM_HPU_EMULATION_GAUDI"] = generation
+        set_generation(generation)  # from the backend's prelude (tests/quant/conftest.py)
         results[generation] = {name: run(name) for name in CASES}
     print("RESULT " + json.dumps(results))
 """
@@ -114,17 +114,18 @@ LAYERS = ("qkv", "gate_up", "o", "replicated")
 
 
 @pytest.fixture(scope="module")
-def all_results(run_python):
+def all_results(run_python, job_backend):
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    over the Habana stand-in off Gaudi)."""
     root = repr(str(Path(__file__).resolve().parents[2]))
-    proc = run_python(
-        LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
-    )
-    return job_result(proc, "layer job")
+    job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
+    proc = run_python(job, env=job_backend.env, timeout=300)
+    return job_result(proc, f"layer job ({job_backend.name})")
 
 
 @pytest.fixture(params=["3", "2"], ids=["gaudi3", "gaudi2"])
 def layers_result(request, all_results):
-    """The layers' results with the emulation behaving as a Gaudi 3, then as a Gaudi 2 (E4M3
+    """The layers' results with the backend behaving as a Gaudi 3, then as a Gaudi 2 (E4M3
     range 240: checkpoint weights and static activation scales are moved into it at load)."""
     return all_results[request.param]
 

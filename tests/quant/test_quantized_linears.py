@@ -1,8 +1,9 @@
-"""AWQ, GPTQ and compressed-tensors (WNA16, W8A8-FP8) on vLLM's own linear layers, in CPU
-emulation: checkpoint tensors made by the test packers are loaded through each layer's weight
-loader (fused q/k/v and gate/up shards included), repacked once, and the quantized layer must
-compute what the float layer computes on the dequantized weights. Runs in a fresh process (vLLM's
-tensor-parallel state is process-wide); no engine.
+"""AWQ, GPTQ and compressed-tensors (WNA16, W8A8-FP8) on vLLM's own linear layers, on both backends
+of the seam (CPU emulation, and gaudi.py over the Habana stand-in): checkpoint tensors made by
+the test packers are loaded through each layer's weight loader (fused q/k/v and gate/up shards
+included), repacked once, and the quantized layer must compute what the float layer computes on
+the dequantized weights. Runs in a fresh process (vLLM's tensor-parallel state is process-wide);
+no engine.
 
 Tolerances. 4-bit: the kernel reproduces the dequantized weights exactly in float32 (see
 test_uint4_kernel.py), so only the order of float32 accumulation differs: atol 1e-4, rtol 1e-4 on
@@ -126,14 +127,15 @@ FP8_ACTIVATION_TOLERANCE = 0.05  # relative norm error; see the module docstring
 
 
 @pytest.fixture(scope="module")
-def layers_result(run_python):
+def layers_result(run_python, job_backend):
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    over the Habana stand-in off Gaudi)."""
     from pathlib import Path
 
     root = repr(str(Path(__file__).resolve().parents[2]))
-    proc = run_python(
-        LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
-    )
-    return job_result(proc, "layer job")
+    job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
+    proc = run_python(job, env=job_backend.env, timeout=300)
+    return job_result(proc, f"layer job ({job_backend.name})")
 
 
 @pytest.mark.parametrize("case", INT4_CASES)

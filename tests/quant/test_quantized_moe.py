@@ -1,10 +1,11 @@
-"""AWQ, GPTQ (with and without act-order), compressed-tensors WNA16 and compressed-tensors
-W8A8-FP8 (channel and tensor weight scales, dynamic and static activations) mixture-of-experts
-layers, in CPU emulation: each expert's checkpoint tensors, made by the test packers, are loaded
-through vLLM's own MoE layer (`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert
-loader, repacked once (4-bit) or kept FP8, and the quantized layer must compute what a plain torch
-MoE computes on the dequantized weights (softmax top-2 routing, renormalized; SiLU-gated
-experts). Runs in a fresh process (vLLM's parallel state is process-wide); no engine.
+"""AWQ, GPTQ (with and without act-order), compressed-tensors WNA16 and compressed-tensors W8A8-FP8
+(channel and tensor weight scales, dynamic and static activations) mixture-of-experts layers, on
+both backends of the seam (CPU emulation, and gaudi.py over the Habana stand-in): each expert's
+checkpoint tensors, made by the test packers, are loaded through vLLM's own MoE layer
+(`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert loader, repacked once (4-bit) or
+kept FP8, and the quantized layer must compute what a plain torch MoE computes on the dequantized
+weights (softmax top-2 routing, renormalized; SiLU-gated experts). Runs in a fresh process
+(vLLM's parallel state is process-wide); no engine.
 
 Tolerance: the kernels reproduce the dequantized weights exactly in float32 (see
 test_uint4_kernel.py; FP8 times its scale is exact in float32) and routing reads the same logits,
@@ -216,12 +217,13 @@ FP8_FORMAT_CASES = ("fp8-tensor-static", "fp8-block")  # vLLM's fp8 format, same
 
 
 @pytest.fixture(scope="module")
-def moe_result(run_python):
+def moe_result(run_python, job_backend):
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    over the Habana stand-in off Gaudi)."""
     root = repr(str(Path(__file__).resolve().parents[2]))
-    proc = run_python(
-        LAYERS_JOB.replace("__ROOT__", root), env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300
-    )
-    return job_result(proc, "MoE layer job")
+    job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
+    proc = run_python(job, env=job_backend.env, timeout=300)
+    return job_result(proc, f"MoE layer job ({job_backend.name})")
 
 
 @pytest.mark.parametrize("case", CASES)

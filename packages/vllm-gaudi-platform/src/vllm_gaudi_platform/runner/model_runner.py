@@ -111,7 +111,6 @@ class HPUModelRunner(GPUModelRunner):
                 "HPU graphs are off: they need Gaudi's lazy mode (PT_HPU_LAZY_MODE=1); "
                 "PT_HPU_LAZY_MODE=0 runs steps eagerly or through torch.compile."
             )
-        self._graph_weights: dict[str, torch.nn.Parameter] = {}
         # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
         # (step_layout.split_mixed). Not with LoRA (its token mapping covers the whole step),
         # pipeline stages (the next stage receives one tensor per step) or data parallelism
@@ -441,8 +440,15 @@ class HPUModelRunner(GPUModelRunner):
             "positions": positions,
             "attn_metadata": distinct,
             "kv_caches": [kv for kv in self.kv_caches if isinstance(kv, torch.Tensor)],
-            "weights": self._graph_weights,
+            # Gathered only when checked (the emulated Graph does, at capture and each replay):
+            # the live parameters and buffers, which sleep mode moves (then recapture_graphs).
+            "weights": self._live_weights,
         }
+
+    def _live_weights(self) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        weights.update((f"buffer:{n}", b) for n, b in self.model.named_buffers())
+        return weights
 
     def _static_metadata(self, metadata: HPUAttentionMetadata) -> dict[str, HPUAttentionMetadata]:
         """Per-layer static metadata of one bucket: one copy per KV-cache group, since each

@@ -189,9 +189,6 @@ def forward_with_metadata(
         cudagraph_runtime_mode=CUDAGraphMode.NONE,
     ):
         if capture:
-            if not runner.graphs.graphs:
-                # Allocated once; sleep mode moves them, and then recapture_graphs runs.
-                runner._graph_weights = dict(runner.model.named_parameters())
             buckets = metadata.layout.buckets
             name = " + ".join(str(b) for b in buckets)
             start = time.perf_counter()

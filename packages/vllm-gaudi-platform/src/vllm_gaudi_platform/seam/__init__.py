@@ -7,8 +7,9 @@ are two backends with one API, the `HpuBackend` Protocol of `contract.py`:
   Gaudi's device runtime and fused kernels.
 - `emulated.py`: the same functions, with the same signatures and semantics, in plain torch on the
   CPU (`VLLM_HPU_EMULATION=cpu`). It is the backend module; the kernels it does not hold itself
-  come from `emulated_runtime.py` (device, memory, streams, graphs), `emulated_quant.py` (FP8 and
-  4-bit), `emulated_moe.py` and `emulated_kv_cache.py` (block copies, paged and MLA glue), each
+  come from `emulated_runtime.py` (device, memory, streams), `emulated_graph.py` (graphs, a
+  captured forward pass replayed as a tape of ops), `emulated_quant.py` (FP8 and 4-bit),
+  `emulated_moe.py` and `emulated_kv_cache.py` (block copies, paged and MLA glue), each
   re-exported by name (`from ... import x as x`).
 
 `probe.py` decides which one this process uses (the one device probe of the tree); `backend()`

@@ -8,7 +8,8 @@ This module is the backend `seam.backend()` returns. It defines the identity con
 SDPA, the dense op-family kernels (RMS norm, linear, rotary embedding) and the LoRA kernels, and
 re-exports the rest of the API from its sibling modules:
 
-- `emulated_runtime.py`: device, memory, synchronization, streams, events and graphs;
+- `emulated_runtime.py`: device, memory, synchronization, streams and events;
+- `emulated_graph.py`: graphs (a captured forward pass replayed as a tape of ops);
 - `emulated_moe.py`: the mixture-of-experts kernel;
 - `emulated_quant.py`: 4-bit dequantization, FP8 casts and FP8 GEMM;
 - `emulated_kv_cache.py`: KV block copies, paged decode and MLA (latent attention).
@@ -22,6 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_gaudi_platform.seam.emulated_graph import Graph as Graph
+from vllm_gaudi_platform.seam.emulated_graph import graphs_supported as graphs_supported
+from vllm_gaudi_platform.seam.emulated_graph import kernel
 from vllm_gaudi_platform.seam.emulated_kv_cache import copy_blocks as copy_blocks
 from vllm_gaudi_platform.seam.emulated_kv_cache import mla_paged_decode as mla_paged_decode
 from vllm_gaudi_platform.seam.emulated_kv_cache import mla_prefill as mla_prefill
@@ -34,12 +38,10 @@ from vllm_gaudi_platform.seam.emulated_quant import convert_from_uint4 as conver
 from vllm_gaudi_platform.seam.emulated_quant import fp8_gemm_v2 as fp8_gemm_v2
 from vllm_gaudi_platform.seam.emulated_quant import fp8_max as fp8_max
 from vllm_gaudi_platform.seam.emulated_runtime import Event as Event
-from vllm_gaudi_platform.seam.emulated_runtime import Graph as Graph
 from vllm_gaudi_platform.seam.emulated_runtime import Stream as Stream
 from vllm_gaudi_platform.seam.emulated_runtime import current_stream as current_stream
 from vllm_gaudi_platform.seam.emulated_runtime import device_count as device_count
 from vllm_gaudi_platform.seam.emulated_runtime import device_name as device_name
-from vllm_gaudi_platform.seam.emulated_runtime import graphs_supported as graphs_supported
 from vllm_gaudi_platform.seam.emulated_runtime import mark_step as mark_step
 from vllm_gaudi_platform.seam.emulated_runtime import mem_get_info as mem_get_info
 from vllm_gaudi_platform.seam.emulated_runtime import memory_allocated as memory_allocated
@@ -61,6 +63,7 @@ SHARED_HOST_MEMORY = True
 
 
 # ----------------------------------------------------------------------------- fused kernels
+@kernel
 def fused_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -221,6 +224,7 @@ ROPE_BLOCKWISE = 0  # RotaryPosEmbeddingMode.BLOCKWISE: rotate the two halves (G
 ROPE_PAIRWISE = 1  # RotaryPosEmbeddingMode.PAIRWISE: rotate adjacent pairs (GPT-J style)
 
 
+@kernel
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
     """Gaudi FusedRMSNorm: x * rsqrt(mean(x^2, last dim) + epsilon) * weight.
 
@@ -242,6 +246,7 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(
 )
 
 
+@kernel
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, what the MME computes for an unquantized linear layer.
 
@@ -264,6 +269,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@kernel
 def apply_rotary_pos_emb(
     p: torch.Tensor,
     cos: torch.Tensor,
@@ -311,6 +317,7 @@ def _lora_slot_mask(token_lora: torch.Tensor, num_slots: int) -> torch.Tensor:
     return (token_lora.unsqueeze(1) == slots).to(torch.float32)
 
 
+@kernel
 def lora_shrink(
     x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -325,6 +332,7 @@ def lora_shrink(
     return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1) * scale
 
 
+@kernel
 def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
     """LoRA expand batched over adapters: out[t] = x[t] @ lora_b[token_lora[t]].T, and 0 for a
     token whose slot is -1.

@@ -10,10 +10,12 @@ from __future__ import annotations
 import torch
 
 from vllm_gaudi_platform.seam import latent_attention, paged_attention
+from vllm_gaudi_platform.seam.emulated_graph import kernel
 from vllm_gaudi_platform.seam.emulated_quant import cast_from_fp8
 
 
 # ----------------------------------------------------------------------------- KV block copies
+@kernel
 def copy_blocks(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -36,6 +38,7 @@ def copy_blocks(
 
 
 # ---------------------------------------------------------------------- paged decode
+@kernel
 def paged_decode(
     query: torch.Tensor,
     cache: torch.Tensor,
@@ -77,6 +80,7 @@ def paged_decode(
 
 
 # ---------------------------------------------------------------------- MLA (latent attention)
+@kernel
 def mla_prefill(
     query: torch.Tensor,
     latent: torch.Tensor,
@@ -91,6 +95,7 @@ def mla_prefill(
     return latent_attention.latent_prefill(query, latent, attn_mask, scale, kv_lora_rank)
 
 
+@kernel
 def mla_paged_decode(
     query: torch.Tensor,
     cache: torch.Tensor,

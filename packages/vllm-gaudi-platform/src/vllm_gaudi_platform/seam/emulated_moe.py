@@ -9,12 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_gaudi_platform.seam.emulated_graph import kernel
+
 MOE_ACTIVATIONS: tuple[str, ...] = (
     "silu",
     "gelu",
 )  # activations the mixture_of_experts kernel accepts
 
 
+@kernel
 def mixture_of_experts(
     hidden_states: torch.Tensor,
     expert_routing_table: torch.Tensor,

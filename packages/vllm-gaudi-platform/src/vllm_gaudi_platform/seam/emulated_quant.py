@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_gaudi_platform.seam.emulated_graph import kernel
+
 
 # ----------------------------------------------------------------------------- 4-bit kernels
 def _unpack_uint4_columns(packed: torch.Tensor) -> torch.Tensor:
@@ -17,6 +19,7 @@ def _unpack_uint4_columns(packed: torch.Tensor) -> torch.Tensor:
     return ((packed.unsqueeze(-1) >> shifts) & 0xF).reshape(packed.shape[0], -1)
 
 
+@kernel
 def convert_from_uint4(
     qweight: torch.Tensor,
     scales: torch.Tensor,
@@ -112,6 +115,7 @@ def _round_stochastic(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (chosen * v.sign()).to(dtype)
 
 
+@kernel
 def cast_to_fp8_v2(
     x: torch.Tensor,
     scale: torch.Tensor | float | None = None,
@@ -126,6 +130,9 @@ def cast_to_fp8_v2(
     values beyond fp8_max(dtype) become +-fp8_max (torch's own cast does not saturate). `amax`
     is max |x| of the unscaled input as a 0-d float32 tensor when `is_amax`, else an empty
     tensor."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        # Gaudi's cast takes float32 and bfloat16 (and FP8 passed through); float16 is refused.
+        raise ValueError(f"cast_to_fp8_v2: input dtype {x.dtype}; Gaudi casts float32/bfloat16")
     y = x.float()
     if scale is not None:
         y = y * _broadcast_scale(scale, x.shape, "cast_to_fp8_v2")
@@ -136,6 +143,7 @@ def cast_to_fp8_v2(
     return out, amax
 
 
+@kernel
 def cast_from_fp8(
     x: torch.Tensor, scale: torch.Tensor | float | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -147,6 +155,7 @@ def cast_from_fp8(
     return y.to(out_dtype)
 
 
+@kernel
 def fp8_gemm_v2(
     A: torch.Tensor,
     trans_A: bool,
@@ -159,21 +168,21 @@ def fp8_gemm_v2(
     bias: torch.Tensor | None = None,
     accumulate: bool = False,
 ) -> torch.Tensor:
-    """Gaudi's torch.ops.hpu.fp8_gemm_v2: (op(A) * A_scale_inv) @ (op(B) * B_scale_inv) + bias,
+    """Gaudi's torch.ops.hpu.fp8_gemm_v2: (op(A) @ op(B)) * A_scale_inv * B_scale_inv + bias,
     plus D when `accumulate`, in `out_dtype`; op transposes the last two axes when asked.
 
-    A is [M, K] (after op), FP8 activations with a per-tensor or per-row ([M, 1]) dequantization
-    scale; B is [K, N] (after op; a weight stored [K, N] passes trans_B=False), FP8 with a
-    per-tensor or per-column ([N], per output channel) scale. Each scale broadcasts over its
-    operand numpy-style (a 1-D A_scale_inv would apply along K: a shape error unless M == K).
-    Emulated in float32 on the scaled operands."""
+    A is [M, K] (after op), FP8 activations; B is [K, N] (after op; a weight stored [N, K]
+    passes trans_B=True), FP8. The scales dequantize the PRODUCT and broadcast against it
+    numpy-style, as the bridge applies them: per tensor, per row ([M, 1], a per-token A scale) or
+    per output column ([N], a per-channel weight scale). A 1-D per-row scale is a shape error
+    unless M == N (and then scales columns). Emulated in float32."""
     a = A.float().transpose(-2, -1) if trans_A else A.float()
     b = B.float().transpose(-2, -1) if trans_B else B.float()
-    if A_scale_inv is not None:
-        a = a * _broadcast_scale(A_scale_inv, a.shape, "fp8_gemm_v2 A_scale_inv")
-    if B_scale_inv is not None:
-        b = b * _broadcast_scale(B_scale_inv, b.shape, "fp8_gemm_v2 B_scale_inv")
     out = a @ b
+    if A_scale_inv is not None:
+        out = out * _broadcast_scale(A_scale_inv, out.shape, "fp8_gemm_v2 A_scale_inv")
+    if B_scale_inv is not None:
+        out = out * _broadcast_scale(B_scale_inv, out.shape, "fp8_gemm_v2 B_scale_inv")
     if bias is not None:
         out = out + bias.float()
     if accumulate:

@@ -1,4 +1,4 @@
-"""Emulated device runtime: device, memory, synchronization, streams, events and graphs.
+"""Emulated device runtime: device, memory, synchronization, streams and events.
 
 Part of the CPU emulation backend (`emulated.py` re-exports every public name here); each mirrors
 the function or class of the same name in `gaudi.py`.
@@ -7,15 +7,11 @@ the function or class of the same name in `gaudi.py`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
-from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-
-from vllm_gaudi_platform.seam.contract import GraphInputError
 
 
 # ----------------------------------------------------------------------------- device runtime
@@ -91,83 +87,6 @@ class Event:
 
     def synchronize(self) -> None:
         pass
-
-
-def graphs_supported() -> bool:
-    """As on a Gaudi: graphs only in lazy mode (PT_HPU_LAZY_MODE=1)."""
-    from vllm_gaudi_platform import envs
-
-    return envs.lazy_mode()
-
-
-class Graph:
-    """One forward pass "captured" for replay, with the input discipline of an HPU graph.
-
-    A Gaudi graph replays the recorded ops on the exact buffers it saw at capture: a caller that
-    hands it a re-allocated input (or one of another shape or dtype) gets the old buffer's stale
-    data, silently. The emulation has no recording to speed anything up, so it runs `fn` eagerly
-    at each replay, but first checks every tensor of `inputs` against what capture recorded and
-    raises `GraphInputError` naming the input that moved. That check is the point of the class:
-    it turns a bug that is silent on a Gaudi into a loud one in CI.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._fn: Callable[[], Any] | None = None
-        self._recorded: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
-
-    def capture(self, fn: Callable[[], Any], inputs: Mapping[str, Any]) -> Any:
-        """Run `fn` once and record every tensor input's storage pointer, shape and dtype."""
-        self._recorded = _graph_inputs(inputs)
-        self._fn = fn
-        return fn()
-
-    def replay(self, inputs: Mapping[str, Any]) -> Any:
-        """Check `inputs` are the captured buffers, then run the captured `fn` again."""
-        if self._fn is None:
-            raise GraphInputError(f"graph {self.name!r} was replayed before it was captured")
-        now = _graph_inputs(inputs)
-        problems = []
-        for key, (ptr, shape, dtype) in self._recorded.items():
-            seen = now.get(key)
-            if seen is None:
-                problems.append(f"{key} is missing (captured as {dtype} {list(shape)})")
-            elif seen[0] != ptr:
-                problems.append(f"{key} is a different buffer than at capture (re-allocated)")
-            elif seen[1:] != (shape, dtype):
-                problems.append(
-                    f"{key} is {seen[2]} {list(seen[1])}, captured as {dtype} {list(shape)}"
-                )
-        problems += [f"{key} was not an input at capture" for key in now.keys() - self._recorded]
-        if problems:
-            raise GraphInputError(
-                f"graph {self.name!r} replayed with inputs that differ from its capture: "
-                + "; ".join(problems)
-                + ". A Gaudi would replay the captured buffers' stale data: update static "
-                "inputs in place (copy_) instead of re-allocating them."
-            )
-        return self._fn()
-
-
-def _graph_inputs(
-    value: Any, name: str = "", out: dict | None = None
-) -> dict[str, tuple[int, tuple[int, ...], torch.dtype]]:
-    """Every tensor reachable from `value` (mappings, lists/tuples, dataclass fields not starting
-    with '_'), by dotted path: (data pointer, shape, dtype)."""
-    out = {} if out is None else out
-    if isinstance(value, torch.Tensor):
-        out[name] = (value.data_ptr(), tuple(value.shape), value.dtype)
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            _graph_inputs(item, f"{name}.{key}" if name else str(key), out)
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _graph_inputs(item, f"{name}[{i}]", out)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            if not f.name.startswith("_"):
-                _graph_inputs(getattr(value, f.name), f"{name}.{f.name}", out)
-    return out
 
 
 def current_stream() -> Stream:

@@ -392,8 +392,9 @@ def fp8_gemm_v2(
 # ----------------------------------------------------------------------------- LoRA kernels
 # No dedicated Gaudi LoRA kernel is used: these are plain torch ops that the graph compiler maps to
 # two MME matmuls and element-wise masking, in shapes fixed by the bucket and by max_loras /
-# max_lora_rank (see emulated.py for the scheme). The matmuls run in the weights' dtype (bf16 on
-# the MME, float32 accumulation); results are float32 like the emulation's.
+# max_lora_rank (see emulated.py for the scheme). The matmuls run in float32, as the contract's
+# float32 results require: a bf16 matmul rounds its output to bf16 (twice in expand). The LoRA
+# operands are rank-sized, so the float32 MME work is small.
 def _lora_slot_mask(token_lora: torch.Tensor, num_slots: int, dtype: torch.dtype) -> torch.Tensor:
     slots = torch.arange(num_slots, device=token_lora.device)
     return (token_lora.unsqueeze(1) == slots).to(dtype)
@@ -405,18 +406,18 @@ def lora_shrink(
     """out[t] = scale * x[t] @ lora_a[token_lora[t]].T (0 where token_lora is -1), float32
     [T, rank]; x [T, in], lora_a [slots, rank, in], token_lora [T]."""
     slots, rank, width = lora_a.shape
-    every = torch.matmul(x.to(lora_a.dtype), lora_a.reshape(slots * rank, width).t())
+    every = torch.matmul(x.float(), lora_a.reshape(slots * rank, width).float().t())
     mask = _lora_slot_mask(token_lora, slots, every.dtype)
-    return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1).float() * scale
+    return (every.view(-1, slots, rank) * mask.unsqueeze(-1)).sum(dim=1) * scale
 
 
 def lora_expand(x: torch.Tensor, lora_b: torch.Tensor, token_lora: torch.Tensor) -> torch.Tensor:
     """out[t] = x[t] @ lora_b[token_lora[t]].T (0 where token_lora is -1); float32 [T, out].
     x [T, rank], lora_b [slots, out, rank], token_lora [T]."""
     slots, width, rank = lora_b.shape
-    mask = _lora_slot_mask(token_lora, slots, lora_b.dtype)
-    spread = (x.to(lora_b.dtype).unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
-    return torch.matmul(spread, lora_b.transpose(1, 2).reshape(slots * rank, width)).float()
+    mask = _lora_slot_mask(token_lora, slots, torch.float32)
+    spread = (x.float().unsqueeze(1) * mask.unsqueeze(-1)).reshape(-1, slots * rank)
+    return torch.matmul(spread, lora_b.float().transpose(1, 2).reshape(slots * rank, width))
 
 
 # ---------------------------------------------------------------------- paged decode
