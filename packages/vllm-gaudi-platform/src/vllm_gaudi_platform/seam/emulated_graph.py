@@ -179,6 +179,10 @@ class Graph:
                 for slot, leaf in zip(out_slots, tree_flatten(result)[0]):
                     if slot >= 0:
                         slots[slot] = leaf
+                    elif _is_work(leaf):
+                        # A collective's completion handle: the caller's wait() ran at capture
+                        # only, while a device stream orders the next op after the collective.
+                        leaf.wait()
             for held, slot in zip(
                 tree_flatten(self._output)[0], tree_flatten(self._output_slots)[0]
             ):
@@ -207,6 +211,11 @@ class Graph:
                 + ". A Gaudi would replay the captured buffers' stale data: update static "
                 "inputs in place (copy_) instead of re-allocating them."
             )
+
+
+def _is_work(value: Any) -> bool:
+    """A c10d op's Work handle (returned next to its outputs)."""
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "wait", None))
 
 
 def _graph_inputs(

@@ -7,6 +7,7 @@ wait for; synchronize() and the stream context only keep the call contract.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,8 +43,11 @@ def set_device(device: Any) -> None:
 
 
 def mem_get_info() -> tuple[int, int]:
-    """(free, total) bytes. The stand-in allocates nothing on a device: free is the total."""
-    total = _MEMORY_BYTES[_device.generation()]
+    """(free, total) bytes. The stand-in allocates nothing on a device: free is the total. Its
+    memory is the CPU's, so HABANA_STANDIN_MEMORY_GB may size it below the product's HBM (an
+    engine sizes its KV cache from this)."""
+    override = os.environ.get("HABANA_STANDIN_MEMORY_GB")
+    total = int(float(override) * (1 << 30)) if override else _MEMORY_BYTES[_device.generation()]
     return total, total
 
 
