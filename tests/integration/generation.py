@@ -45,7 +45,7 @@ def make_prompts(seed: int = 0, vocab: int = 512) -> list[list[int]]:
 def run_job(
     script: Path,
     arg: str,
-    env: dict[str, str] | None = None,
+    env: dict[str, str | None] | None = None,
     *,
     emulate: bool = True,
     timeout: float = 600,
@@ -63,7 +63,11 @@ def run_job(
         run_env["VLLM_HPU_EMULATION"] = "cpu"
     else:
         run_env["VLLM_PLUGINS"] = ""
-    run_env.update(env or {})
+    for name, value in (env or {}).items():  # a value of None removes the variable
+        if value is None:
+            run_env.pop(name, None)
+        else:
+            run_env[name] = value
     return subprocess.run(
         [sys.executable, str(script), arg],
         capture_output=True,

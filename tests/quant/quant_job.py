@@ -36,7 +36,8 @@ def _inspect(worker) -> dict:
                 "k_scale": float(m._k_scale),
                 "v_scale": float(m._v_scale),
             }
-    return {"linears": linears, "experts": experts, "attention": attention}
+    seam = worker.model_runner.seam.NAME
+    return {"linears": linears, "experts": experts, "attention": attention, "seam": seam}
 
 
 def run(model: str, job: dict) -> dict:

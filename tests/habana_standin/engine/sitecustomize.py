@@ -18,9 +18,9 @@ if _STANDIN not in sys.path:
 
 
 def _point_gaudi_at_the_cpu() -> None:
+    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.*
     import torch
 
-    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.*
     from vllm_gaudi_platform.seam import gaudi
 
     gaudi.DEVICE_TYPE = "cpu"

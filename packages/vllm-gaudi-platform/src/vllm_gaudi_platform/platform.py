@@ -73,7 +73,9 @@ _register_attention_backend()
 
 def _route_torch_accelerator_to_seam() -> None:
     """vLLM's shared code calls torch.accelerator (empty_cache, synchronize) in every process;
-    in emulation there is no torch accelerator, so those calls go to the emulated device.
+    where torch has no accelerator (emulation, or the Gaudi backend over the test stand-in, whose
+    device is CPU memory) those calls go to the seam's device. Habana's package registers the
+    HPU as torch's accelerator, so on a Gaudi nothing is patched.
 
     A process-wide patch: the ledger in tests/platform/test_upstream_contract.py says why and
     when it can go."""
@@ -96,7 +98,7 @@ def _activate(seam) -> None:
     # From here on this process's platform answers from this backend, as vLLM's current_platform
     # is resolved once per process: a later change of the environment does not move it.
     _Seam.active = seam
-    if seam.IS_EMULATED:
+    if not torch.accelerator.is_available():
         _route_torch_accelerator_to_seam()
 
 
@@ -327,9 +329,11 @@ class HpuPlatform(Platform):
         if not compilation_config.custom_ops:
             compilation_config.custom_ops = ["all"]
         if compilation_config.mode == CompilationMode.VLLM_COMPILE:
-            if _seam.IS_EMULATED:
+            if _seam.IS_EMULATED or envs.lazy_mode():
                 # Emulation runs eagerly: Gaudi graph compilation has no CPU equivalent worth the
-                # compile time, and shapes are static through bucketing either way.
+                # compile time, and shapes are static through bucketing either way. Lazy mode
+                # builds its graphs op by op (HPU graphs replay them); torch.compile is off there
+                # (TORCHDYNAMO_DISABLE=1, as Intel's plugin disables dynamo in lazy mode).
                 compilation_config.mode = CompilationMode.NONE
             else:
                 compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
