@@ -310,3 +310,17 @@ def test_a_packed_step_replays_the_packed_graph_and_a_one_sequence_step_the_othe
     assert graphs.lookup(packed.layout, {"layer": _metadata([6, 4], [0, 0], plan)}) is packed_entry
     assert graphs.lookup(one.layout, {"layer": _metadata([7], [0], plan)}) is plain_entry
     assert graphs.stats.eager_steps == 1 and graphs.stats.variant_misses == 1
+
+
+def test_in_place_ops_on_captured_buffers_replay_in_place(emulated):
+    # An in-place op on a buffer from outside the graph returns that buffer: the recording must
+    # keep reading the buffer itself, and later ops see its updated contents.
+    x = torch.tensor([1.0, 2.0])
+    acc = torch.zeros(2)
+    graph = emulated.Graph("in place")
+    graph.capture(lambda: acc.add_(x).mul(2), {"x": x, "acc": acc})
+    x.copy_(torch.tensor([10.0, 20.0]))
+
+    out = graph.replay({"x": x, "acc": acc})
+
+    assert acc.tolist() == [11.0, 22.0] and out.tolist() == [22.0, 44.0]

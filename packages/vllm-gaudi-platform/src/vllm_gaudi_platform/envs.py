@@ -56,7 +56,8 @@ HABANA_VISIBLE_MODULES = _declare(
 PT_HPU_LAZY_MODE = _declare(
     "PT_HPU_LAZY_MODE",
     "0",
-    "1: Gaudi lazy mode (graphs built op by op, flushed by mark_step); 0: eager / torch.compile.",
+    "1: Gaudi lazy mode (graphs built op by op, flushed by mark_step; HPU graphs per bucket); "
+    "0: eager / torch.compile, no HPU graphs.",
     kind="choice",
 )
 PT_HPU_WEIGHT_SHARING = _declare(

@@ -3,7 +3,7 @@ Habana's bridge enforces (or Intel's call sites depend on) checked first.
 
 Written from the kernels' documented semantics, independently of the project's emulation
 (`seam/emulated*.py`), so the two can be compared. Each rule cites its source in a `Fact:`
-comment; `_rules.py` lists them all. A broken rule raises `HabanaRuleError`: on a Gaudi the same
+comment; the README lists them all. A broken rule raises `HabanaRuleError`: on a Gaudi the same
 call fails (or silently computes something else, which is worse and why the stand-in refuses).
 """
 
@@ -21,6 +21,14 @@ class HabanaRuleError(RuntimeError):
 
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION = (torch.bfloat16, torch.float32)
+
+
+def broadcasts_over(t: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether `t` broadcasts numpy-style against `shape` without growing it."""
+    try:
+        return torch.broadcast_shapes(tuple(t.shape), shape) == shape
+    except RuntimeError:
+        return False
 
 
 def _require(condition: bool, message: str) -> None:
@@ -53,12 +61,8 @@ def _scale_over(scale: torch.Tensor | None, operand: tuple[int, ...], what: str)
     _require(isinstance(scale, torch.Tensor), f"{what}: the scale must be a tensor")
     if scale.numel() == 1:
         return scale.reshape(()).float()
-    try:
-        shape = torch.broadcast_shapes(tuple(scale.shape), operand)
-    except RuntimeError:
-        shape = None
     _require(
-        shape == operand,
+        broadcasts_over(scale, operand),
         f"{what}: scale of shape {tuple(scale.shape)} does not broadcast over an operand of "
         f"shape {operand} (a 1-D scale applies per column; per-row scales are [rows, 1])",
     )

@@ -401,11 +401,18 @@ class HPUModelRunner(GPUModelRunner):
         assert isinstance(step_metadata, dict)
         assert input_ids is not None and positions is not None
         ids, pos = input_ids, positions
-        return self.graphs.replay(
+        hidden = self.graphs.replay(
             entry,
             step_metadata,
             lambda static: self._graph_inputs(ids, pos, static),
         )
+        if self.is_pooling_model:
+            # A graph writes every replay into the output tensors of its capture, while a pooler
+            # keeps a chunked prompt's hidden states across steps until the prompt is done:
+            # hand it this step's own copy (found by the emulated graph, which replays as a
+            # Gaudi does).
+            return hidden.clone()
+        return hidden
 
     def _graph_forward(
         self,

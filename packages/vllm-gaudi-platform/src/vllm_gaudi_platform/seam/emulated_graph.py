@@ -86,7 +86,7 @@ class _Tape(TorchDispatchMode):
         super().__init__()
         self.entries: list[tuple[Callable[..., Any], Any, Any, list[int]]] = []
         self._slots: dict[int, int] = {}  # id(tensor made by the recording) -> slot
-        self._made: list[torch.Tensor] = []  # keeps them alive (ids stay unique) until compiled
+        self._made: list[torch.Tensor] = []  # keeps them alive (ids stay unique) until finish()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,6 +100,9 @@ class _Tape(TorchDispatchMode):
         return out
 
     def record(self, func: Callable[..., Any], args: Any, kwargs: Any, out: Any) -> None:
+        # Arguments first: an in-place op on an outside tensor returns that tensor, which only
+        # from then on is the recording's own (a slot).
+        args, kwargs = tree_map(self.slot_of, args), tree_map(self.slot_of, kwargs)
         slots = []
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
@@ -109,9 +112,7 @@ class _Tape(TorchDispatchMode):
                 slots.append(self._slots[id(leaf)])
             else:
                 slots.append(-1)
-        self.entries.append(
-            (func, tree_map(self.slot_of, args), tree_map(self.slot_of, kwargs), slots)
-        )
+        self.entries.append((func, args, kwargs, slots))
 
     def slot_of(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor) and id(value) in self._slots:
@@ -175,7 +176,13 @@ class Graph:
                 return slots[value.index] if isinstance(value, _Slot) else value
 
             for func, args, kwargs, out_slots in self._entries:
-                result = func(*tree_map(fill, args), **tree_map(fill, kwargs))
+                try:
+                    result = func(*tree_map(fill, args), **tree_map(fill, kwargs))
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"graph {self.name!r}: replaying {getattr(func, '__name__', func)} "
+                        f"failed: {exc}"
+                    ) from exc
                 for slot, leaf in zip(out_slots, tree_flatten(result)[0]):
                     if slot >= 0:
                         slots[slot] = leaf

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-from habana_frameworks.torch._kernels import HabanaRuleError, _require
+from habana_frameworks.torch._kernels import HabanaRuleError, _require, broadcasts_over
 
 _PADDING_SIDES = ("left", "right")
 _SOFTMAX_MODES = ("None", "fast", "fp32")
@@ -108,12 +108,8 @@ class FusedSDPA:
                 f"FusedSDPA: attn_mask is {attn_mask.dtype}; pass an additive bias in the "
                 f"query's dtype ({q.dtype})",
             )
-            try:
-                grown = torch.broadcast_shapes(tuple(attn_mask.shape), scores_shape)
-            except RuntimeError:
-                grown = None
             _require(
-                grown == scores_shape,
+                broadcasts_over(attn_mask, scores_shape),
                 f"FusedSDPA: attn_mask {tuple(attn_mask.shape)} does not broadcast over the "
                 f"scores {scores_shape}",
             )
