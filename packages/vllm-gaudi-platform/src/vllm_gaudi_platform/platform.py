@@ -250,7 +250,14 @@ class HpuPlatform(Platform):
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
-        return True
+        # Under torch.compile the attention backend is traced into the bucket's graph (its
+        # branches become guards); otherwise attention is vLLM's opaque custom op.
+        from vllm.config import get_current_vllm_config_or_none
+
+        from vllm_gaudi_platform.runner.compiled import compile_wanted
+
+        config = get_current_vllm_config_or_none()
+        return config is None or not compile_wanted(config)
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
@@ -328,17 +335,12 @@ class HpuPlatform(Platform):
         # ops wheel's forward_oot, so turn them on unless the operator trimmed them.
         if not compilation_config.custom_ops:
             compilation_config.custom_ops = ["all"]
-        if compilation_config.mode == CompilationMode.VLLM_COMPILE:
-            if _seam.IS_EMULATED or envs.lazy_mode():
-                # Emulation runs eagerly: Gaudi graph compilation has no CPU equivalent worth the
-                # compile time, and shapes are static through bucketing either way. Lazy mode
-                # builds its graphs op by op (HPU graphs replay them); torch.compile is off there
-                # (TORCHDYNAMO_DISABLE=1, as Intel's plugin disables dynamo in lazy mode).
-                compilation_config.mode = CompilationMode.NONE
-            else:
-                compilation_config.mode = CompilationMode.DYNAMO_TRACE_ONCE
-                compilation_config.backend = cls.simple_compile_backend
-
+        # vLLM's own compile integration stays off: its modes drop dynamo's guards (a trace of
+        # one bucket would serve every other) or compile for inductor and CUDA graphs. The
+        # runner compiles the forward pass itself with the seam's backend, once per bucket, in
+        # eager mode (PT_HPU_LAZY_MODE=0) unless enforce_eager (runner/compiled.py); lazy mode
+        # builds its graphs op by op and replays HPU graphs instead.
+        compilation_config.mode = CompilationMode.NONE
         _set_gaudi_runtime_env()
         if parallel_config.use_ray:
             from vllm_gaudi_platform.distributed import ray_cluster

@@ -225,6 +225,9 @@ class HPUWorker(Worker):
             "idle_dp_steps": runner.idle_dp_steps,
             "linears_on_seam": runner.linears_on_seam,
             "step_metrics": runner.step_metrics.snapshot(),
+            # torch.compile (eager mode): graphs per phase, graph breaks, compiles while serving.
+            "compiled": runner.compiled_model is not None,
+            **(runner.compiled_model.stats.as_dict() if runner.compiled_model is not None else {}),
         }
 
     def check_health(self) -> None:

@@ -38,8 +38,16 @@ from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_m
 from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.observability.step_trace import TraceRecorder
-from vllm_gaudi_platform.runner import data_parallel, hpu_graphs, mixed_steps, spec_decode, warmup
+from vllm_gaudi_platform.runner import (
+    compiled,
+    data_parallel,
+    hpu_graphs,
+    mixed_steps,
+    spec_decode,
+    warmup,
+)
 from vllm_gaudi_platform.runner import lora as hpu_lora
+from vllm_gaudi_platform.runner.compiled import compile_wanted
 from vllm_gaudi_platform.runner.recompiles import RecompileTracker
 from vllm_gaudi_platform.runner.streams import cuda_streams_on_seam
 from vllm_gaudi_platform.seam import backend as seam_backend
@@ -216,6 +224,14 @@ class HPUModelRunner(GPUModelRunner):
                 self._setup_eagle3_aux_hidden_state_outputs()
             self.draft_bucketing = spec_decode.draft_bucketing(self)
         self.linears_on_seam = self._route_linears_through_seam()
+        # torch.compile (eager mode, PT_HPU_LAZY_MODE=0): the forward pass compiled per bucket.
+        self.compiled_model: compiled.CompiledModel | None = None
+        if compile_wanted(self.vllm_config):
+            self.compiled_model = compiled.CompiledModel(
+                self.model,
+                self.seam.COMPILE_BACKEND,
+                strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
+            )
         # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
         # the same attention branch as one sequence per row, so one graph serves both.
         layers = self.vllm_config.compilation_config.static_forward_context.values()
@@ -384,13 +400,13 @@ class HPUModelRunner(GPUModelRunner):
             if layout is not None and layout.parts is not None:
                 assert positions is not None
                 split = mixed_steps.forward_in_parts(
-                    self, layout, input_ids, positions, super()._model_forward
+                    self, layout, input_ids, positions, self._run_model
                 )
                 if split is not None:
                     return split
             entry = self.graphs.lookup(layout, get_forward_context().attn_metadata)
         if entry is None:
-            return super()._model_forward(
+            return self._run_model(
                 input_ids=input_ids,
                 positions=positions,
                 intermediate_tensors=intermediate_tensors,
@@ -413,6 +429,35 @@ class HPUModelRunner(GPUModelRunner):
             # Gaudi does).
             return hidden.clone()
         return hidden
+
+    def _run_model(self, **kwargs: Any) -> Any:
+        """One forward pass without an HPU graph: through torch.compile when it is on (with
+        bucket-shaped attention metadata, see compiled.py), else eagerly."""
+        if self.compiled_model is None:
+            return self.model(**kwargs)
+        context = get_forward_context()
+        step_md = context.attn_metadata
+        if isinstance(step_md, dict):
+            shaped: dict[int, Any] = {}
+            for md in step_md.values():
+                if isinstance(md, HPUAttentionMetadata) and id(md) not in shaped:
+                    shaped[id(md)] = compiled.bucket_shaped(md)
+            context.attn_metadata = {  # type: ignore[assignment]
+                name: shaped.get(id(md), md) for name, md in step_md.items()
+            }
+        # vLLM's per-layer slot mappings (real tokens only): this backend writes the cache from
+        # its own bucket-shaped metadata, and a traced read of them would guard on their length.
+        step_slots = context.slot_mapping
+        context.slot_mapping = {}
+        layout = step_layout.current()
+        self.compiled_model.current_bucket = (
+            " + ".join(str(b) for b in layout.buckets) if layout is not None else ""
+        )
+        try:
+            return self.compiled_model(**kwargs)
+        finally:
+            context.attn_metadata = step_md
+            context.slot_mapping = step_slots
 
     def _graph_forward(
         self,

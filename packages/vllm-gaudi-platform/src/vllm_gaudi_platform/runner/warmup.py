@@ -81,6 +81,8 @@ def warmup_model(runner: Any) -> None:
     if envs.get_bool(envs.VLLM_SKIP_WARMUP):
         logger.warning("%s=true: warmup skipped; first steps will compile", envs.VLLM_SKIP_WARMUP)
         runner.recompiles.warmup_done = True
+        if runner.compiled_model is not None:
+            runner.compiled_model.warmup_done()
         return
     # Each bucket once, then the packed-prefill variant of the single-row prompt buckets
     # where packing changes the attention branch (a shape of its own on a Gaudi).
@@ -115,6 +117,8 @@ def warmup_model(runner: Any) -> None:
     runner.seam.synchronize()
     runner.warmup_seconds = time.perf_counter() - start
     runner.recompiles.warmup_done = True
+    if runner.compiled_model is not None:
+        runner.compiled_model.warmup_done()
     graphs = getattr(getattr(runner, "graphs", None), "graphs", None)  # HPU graphs, if any
     runner.step_metrics.set_warmup(runner.warmup_seconds, len(graphs) if graphs else 0)
     logger.info(
@@ -127,7 +131,8 @@ def warmup_model(runner: Any) -> None:
     )
 
 
-@torch.no_grad()
+@torch.inference_mode()  # as serving steps run (vLLM's execute_model): tensors, and the
+# guards of a compiled pass on them, are the same kind in warmup and serving
 def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = False) -> None:
     """One warmup run of `bucket` (its packed-prefill variant if `packed`), and of the draft
     head on it when there is one."""
@@ -202,7 +207,7 @@ def forward_with_metadata(
             runner.seam.synchronize()
             runner.graphs.stats.capture_seconds += time.perf_counter() - start
         else:
-            hidden = runner.model(
+            hidden = runner._run_model(
                 input_ids=input_ids,
                 positions=positions,
                 intermediate_tensors=intermediate,

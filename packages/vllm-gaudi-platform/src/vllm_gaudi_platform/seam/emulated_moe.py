@@ -6,6 +6,8 @@ Gaudi kernel of the same name wrapped in `gaudi.py`, whose semantics the docstri
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +56,19 @@ def mixture_of_experts(
     local = expert_routing_table.reshape(-1).long() - experts_min
     # Slots routed to other ranks sort last, under the id num_local, and are dropped.
     local = torch.where((local >= 0) & (local < num_local), local, num_local)
+    if torch.compiler.is_compiling():
+        # Under torch.compile: every local expert over every token, weighted by its routing
+        # weight (zero where not routed), so no shape depends on the routing.
+        return _dense_experts(
+            hidden_states,
+            local.view(tokens, topk),
+            router_weights,
+            w12,
+            w3,
+            permuted_weights,
+            activation,
+            num_local,
+        )
     counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
     order = torch.argsort(local, stable=True)[: sum(counts)]
     rows = order // topk
@@ -77,4 +92,30 @@ def mixture_of_experts(
     weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, rows, y.float() * weights)
+    return out.to(hidden_states.dtype)
+
+
+def _dense_experts(
+    hidden_states: torch.Tensor,
+    local: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    num_local: int,
+) -> torch.Tensor:
+    """`mixture_of_experts` with static shapes: each expert's output for every token, times the
+    token's routing weight for it ([tokens, topk] local ids; id num_local: another rank's)."""
+    tokens, hidden = hidden_states.shape
+    weights = torch.zeros(tokens, num_local + 1, dtype=torch.float32, device=hidden_states.device)
+    weights.scatter_add_(1, local, router_weights.reshape(tokens, -1).float())
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
+    for expert in range(num_local):
+        up_w, down_w = w12[expert], w3[expert]
+        gate_up = hidden_states @ (up_w.t() if permuted_weights else up_w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        y = (act * up) @ (down_w.t() if permuted_weights else down_w)
+        out += y.float() * weights[:, expert : expert + 1]
     return out.to(hidden_states.dtype)

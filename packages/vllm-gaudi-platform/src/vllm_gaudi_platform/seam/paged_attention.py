@@ -27,6 +27,10 @@ def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> 
     allocation (and, on the CPU, the page faults of fresh memory) that a per-call gather would
     cost.
     """
+    if torch.compiler.is_compiling():
+        # A compiled graph allocates its own intermediates; a module-level cache would only
+        # add guards on its contents.
+        return torch.empty(shape, dtype=dtype, device=device)
     key = (name, dtype, str(device))
     numel = math.prod(shape)
     buf = _WORKSPACE.get(key)
@@ -123,7 +127,11 @@ def drop_padding_entries(
 ) -> tuple[torch.Tensor, ...]:
     """The flat block list without its padding entries (group `batch`), and the same entries of
     every other per-entry tensor. The result depends on the data, so only an eager backend (the
-    emulation) can use it; on a Gaudi the bucket's static length is what lets a graph replay."""
+    emulation) can use it; on a Gaudi the bucket's static length is what lets a graph replay.
+    Under torch.compile the emulation keeps the static length too (a data-dependent length
+    would break the bucket's graph)."""
+    if torch.compiler.is_compiling():
+        return (block_list, block_groups, *per_entry)
     used = block_groups < batch
     if bool(used.all()):
         return (block_list, block_groups, *per_entry)
