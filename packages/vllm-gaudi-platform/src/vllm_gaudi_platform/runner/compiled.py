@@ -86,6 +86,8 @@ class CompileStats:
     )
     compile_seconds: float = 0.0
     recompiled_buckets: list[str] = field(default_factory=list)
+    # Graphs compiled per bucket (and packed-prefill variant) over the engine's life.
+    by_bucket: dict[str, int] = field(default_factory=dict)
 
     @property
     def recompiles(self) -> int:
@@ -102,6 +104,7 @@ class CompileStats:
             "compile_recompiles": self.recompiles,
             "recompiled_buckets": list(self.recompiled_buckets),
             "compile_seconds": self.compile_seconds,
+            "compiles_by_bucket": dict(self.by_bucket),
         }
 
 
@@ -165,6 +168,8 @@ class CompiledModel:
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             self.stats.graphs[self.phase] += 1
+            label = self.current_bucket
+            self.stats.by_bucket[label] = self.stats.by_bucket.get(label, 0) + 1
             if self.phase == "serving" and self.current_bucket:
                 self.stats.recompiled_buckets.append(self.current_bucket)
             return inner(gm, example_inputs)
@@ -220,6 +225,22 @@ class CompiledModel:
             stats.compile_seconds,
             len(stats.breaks["warmup"]),
         )
+
+
+def bucket_label(attn_metadata: Any) -> str:
+    """'prompt bs=1 q=128 ctx=0 [packed] + decode bs=4 ctx=8' for a forward pass's metadata."""
+    md = next(iter(attn_metadata.values()), None) if isinstance(attn_metadata, dict) else None
+    layout = getattr(md, "layout", None)
+    if layout is None:
+        return "no attention metadata"
+    parts = []
+    for b in layout.buckets:
+        if b.phase == "decode":
+            parts.append(f"decode bs={b.batch_size} ctx={b.ctx_blocks}")
+        else:
+            packed = " packed" if getattr(md, "prefill_packed", False) else ""
+            parts.append(f"{b.phase} bs={b.batch_size} q={b.query_len} ctx={b.ctx_blocks}{packed}")
+    return " + ".join(parts)
 
 
 def bucket_shaped(md: Any) -> Any:

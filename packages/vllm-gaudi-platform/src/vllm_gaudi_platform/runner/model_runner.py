@@ -449,10 +449,7 @@ class HPUModelRunner(GPUModelRunner):
         # its own bucket-shaped metadata, and a traced read of them would guard on their length.
         step_slots = context.slot_mapping
         context.slot_mapping = {}
-        layout = step_layout.current()
-        self.compiled_model.current_bucket = (
-            " + ".join(str(b) for b in layout.buckets) if layout is not None else ""
-        )
+        self.compiled_model.current_bucket = compiled.bucket_label(context.attn_metadata)
         try:
             return self.compiled_model(**kwargs)
         finally:

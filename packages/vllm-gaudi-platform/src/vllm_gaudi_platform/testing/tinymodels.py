@@ -123,6 +123,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # decoding stays within the top-5 rule of the float model; with 0.25 attention is so peaked
     # that FP8 rounding flips tokens far down the ranking, in plain torch as well.
     "llama-soft": ("LlamaConfig", {"initializer_range": 0.1}),
+    # Qwen3: RMSNorm on each head's queries and keys before the rotary embedding, head_dim set
+    # apart from hidden_size / heads.
+    "qwen3": ("Qwen3Config", {"head_dim": 48}),
     # ALiBi position biases instead of rotary embeddings; multi-head attention (vLLM would read
     # the base's num_key_value_heads as BLOOM's KV head count) and a tied LM head, as BLOOM has.
     "bloom": ("BloomConfig", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
