@@ -34,9 +34,8 @@ LOGPROB_TOLERANCE = 1e-4
 def runs(tmp_path_factory) -> dict[str, dict]:
     from pathlib import Path
 
-    from vllm_gaudi_platform.testing import tinymodels
-
     from tests.quant import checkpoints
+    from vllm_gaudi_platform.testing import tinymodels
 
     models = {name: str(tinymodels.build(name)) for name in ARCHITECTURES}
     qdir, _ = checkpoints.write(
