@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +30,14 @@ pytestmark = [pytest.mark.engine, pytest.mark.gaudi]
 
 MAX_TOKENS = 8
 MODELS = ("llama", "mixtral", "ct-fp8-dynamic", "ct-wna16-kv-fp8")
+# The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
+GAUDI_ENV = {
+    "VLLM_HPU_EMULATION": None,
+    "PYTHONPATH": os.pathsep.join(
+        [os.path.join(STANDIN_PATH, "engine"), os.environ.get("PYTHONPATH", "")]
+    ),
+    "HABANA_STANDIN_MEMORY_GB": "4",
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +64,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         }
     )
     common = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PT_HPU_LAZY_MODE": "1"}
-    gaudi_env = {
-        **common,
-        "VLLM_HPU_EMULATION": None,
-        "PYTHONPATH": os.pathsep.join(
-            [os.path.join(STANDIN_PATH, "engine"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "HABANA_STANDIN_MEMORY_GB": "4",
-    }
+    gaudi_env = {**common, **GAUDI_ENV}
     results = {}
     for backend, env in (("gaudi", gaudi_env), ("emulated", common)):
         proc = run_job(JOB, job, env, timeout=300 * len(MODELS))
@@ -90,3 +92,58 @@ def test_gaudi_and_emulated_engines_generate_the_same_tokens(runs, name):
         assert gaudi[key] == emulated[key], key
     diverged = assert_close(gaudi["results"], emulated["results"], f"{name}: gaudi vs emulated")
     assert diverged <= 1, f"{diverged} of 6 prompts hit near-ties"
+
+
+# torch.compile on the Gaudi backend (eager mode, the Gaudi default): the stand-in's hpu_backend
+# is dynamo's aot_eager, so these traces also pass through AOTAutograd, with Habana's ops as
+# custom ops (their fake implementations give the shapes).
+COMPILED = ("llama", "mixtral", "ct-fp8-dynamic")
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory) -> dict[str, dict]:
+    if REAL_GAUDI_SOFTWARE:
+        pytest.skip(
+            "the stand-in does not load beside a real Gaudi stack (the engine tests run there)"
+        )
+    from vllm_gaudi_platform.testing import tinymodels
+
+    paths = {"llama": tinymodels.build("llama"), "mixtral": tinymodels.build("mixtral")}
+    qdir, _ = checkpoints.write(
+        tinymodels.build("llama-soft"),
+        tmp_path_factory.mktemp("ct-fp8-dynamic"),
+        "ct-fp8-dynamic",
+        calibration=make_prompts(seed=1),
+    )
+    paths["ct-fp8-dynamic"] = qdir
+    job = json.dumps(
+        {
+            "cases": {name: {"model": str(paths[name])} for name in COMPILED},
+            "prompts": make_prompts()[:6],
+            "max_tokens": MAX_TOKENS,
+            "engine": ENGINE,
+        }
+    )
+    env = {"PT_HPU_LAZY_MODE": "0", **GAUDI_ENV}
+    script = Path(__file__).with_name("compile_job.py")
+    proc = run_job(script, job, env, timeout=300 * len(COMPILED))
+    outputs = named_job_outputs(proc)
+    return {
+        name: outputs.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
+        for name in COMPILED
+    }
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_gaudi_py_compiles_once_per_bucket_and_equals_its_eager_engine(compiled_runs, name):
+    result = compiled_runs[name]
+    assert "error" not in result, result.get("error")
+    compiled, eager = result["compiled"], result["eager"]
+    stats = compiled["stats"]
+    assert stats["compiled"] is True and eager["stats"]["compiled"] is False
+    assert stats["graphs_enabled"] is False  # no HPUGraph outside lazy mode
+    assert stats["graph_breaks"] == {"warmup": [], "serving": []}
+    assert stats["compiled_graphs"]["serving"] == 0, stats["recompiled_buckets"]
+    assert all(n == 1 for n in stats["compiles_by_bucket"].values()), stats["compiles_by_bucket"]
+    for i, (c, e) in enumerate(zip(compiled["outputs"], eager["outputs"], strict=True)):
+        assert c["tokens"] == e["tokens"], f"{name}: prompt {i}: compiled {c} vs eager {e}"
