@@ -227,12 +227,27 @@ def test_metrics_show_the_hpu_metrics_and_count_a_recompile(server, client):
     # Runs after the no-recompile check: it makes the server run a shape outside its plan. Many
     # prompts that each reuse three cached blocks, sent at once, are packed into one prefill row
     # whose context (3 blocks per prompt) outgrows the plan's packed-row buckets (4 x 4 blocks).
+    # Every value is the one the worker's own counters give (get_recompile_stats reads them in
+    # the worker; /metrics reads them through the API server's channel).
+    stats = recompile_stats(client)
+    counted = stats["step_metrics"]
     assert hpu_metric(client, "vllm:hpu_recompiles_total") == 0
-    assert hpu_metric(client, "vllm:hpu_warmup_seconds") > 0
-    assert hpu_metric(client, "vllm:hpu_bucket_hits_total", phase="decode") > 0
+    assert hpu_metric(client, "vllm:hpu_warmup_seconds") == pytest.approx(stats["warmup_seconds"])
+    for phase in ("prompt", "decode"):
+        hits = hpu_metric(client, "vllm:hpu_bucket_hits_total", phase=phase)
+        assert hits == counted[f"{phase}_hits"] == stats["bucket_hits"][phase] > 0
     for dim in ("prompt_tokens", "decode_batch", "decode_blocks"):
-        assert hpu_metric(client, "vllm:hpu_padding_ratio", dimension=dim) >= 0
-    assert hpu_metric(client, "vllm:hpu_graphs") is not None
+        real, padded = counted[f"{dim}_real"], counted[f"{dim}_padded"]
+        assert padded >= real > 0
+        assert hpu_metric(client, "vllm:hpu_padding_ratio", dimension=dim) == pytest.approx(
+            (padded - real) / real
+        )
+    # The served engine runs in lazy mode (the suite's default): HPU graphs, one per warmup run,
+    # and nothing compiled by torch.compile.
+    assert stats["graphs_enabled"] and not stats["compiled"]
+    assert hpu_metric(client, "vllm:hpu_graphs") == stats["num_graphs"] > 0
+    for phase in ("warmup", "serving"):
+        assert hpu_metric(client, "vllm:hpu_compiled_graphs", phase=phase) == 0
 
     rng = random.Random(2)
     prefix = [rng.randrange(3, tinymodels.VOCAB_SIZE) for _ in range(3 * 128)]

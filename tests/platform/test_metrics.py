@@ -186,6 +186,15 @@ def test_the_stat_logger_publishes_the_worker_counters_as_vllm_metrics(registry,
         assert _value(registry, "vllm:hpu_recompiles_total") == 1
         assert _value(registry, "vllm:hpu_bucket_misses_total", phase="decode") == 1
         assert _value(registry, "vllm:hpu_bucket_hits_total", phase="prompt") == 1
+        assert _value(registry, "vllm:hpu_compiled_graphs", phase="serving") == 0
+
+        worker.set_compile({"warmup": 14, "serving": 2}, {"warmup": 0, "serving": 1})
+        logger.record(None, None, engine_idx=0)
+
+        assert _value(registry, "vllm:hpu_compiled_graphs", phase="warmup") == 14
+        assert _value(registry, "vllm:hpu_compiled_graphs", phase="serving") == 2
+        assert _value(registry, "vllm:hpu_graph_breaks", phase="warmup") == 0
+        assert _value(registry, "vllm:hpu_graph_breaks", phase="serving") == 1
     finally:
         worker.close()
 

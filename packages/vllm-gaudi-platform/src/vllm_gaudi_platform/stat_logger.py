@@ -16,6 +16,9 @@ metric                                 type     meaning
                                                 decode_blocks
 ``vllm:hpu_warmup_seconds``            gauge    how long the bucket warmup took
 ``vllm:hpu_graphs``                    gauge    HPU graphs captured during warmup
+``vllm:hpu_compiled_graphs``           gauge    torch.compile graphs per ``phase``: warmup, and
+                                                serving (each a recompile: a guard failed)
+``vllm:hpu_graph_breaks``              gauge    torch.compile graph breaks per ``phase``
 =====================================  =======  ==================================================
 
 The values come from the worker through the memory-mapped channel of
@@ -100,6 +103,18 @@ class HpuStatLogger(AggregateStatLoggerBase):
             labels,
             multiprocess_mode="mostrecent",
         )
+        self.compiled_graphs = Gauge(
+            "vllm:hpu_compiled_graphs",
+            "Graphs torch.compile compiled, per phase (serving: recompiles after warmup).",
+            [*labels, "phase"],
+            multiprocess_mode="mostrecent",
+        )
+        self.graph_breaks = Gauge(
+            "vllm:hpu_graph_breaks",
+            "torch.compile graph breaks (a forward pass split in several graphs), per phase.",
+            [*labels, "phase"],
+            multiprocess_mode="mostrecent",
+        )
         self._ready = True
         for idx in self.engine_indexes:
             self.refresh(idx)
@@ -139,3 +154,10 @@ class HpuStatLogger(AggregateStatLoggerBase):
             self.padding.labels(self.model_name, engine, dim).set(ratio)
         self.warmup_seconds.labels(self.model_name, engine).set(snap["warmup_seconds"])
         self.graphs.labels(self.model_name, engine).set(snap["graphs"])
+        for phase in metrics.COMPILE_PHASES:
+            self.compiled_graphs.labels(self.model_name, engine, phase).set(
+                snap[f"compiled_graphs_{phase}"]
+            )
+            self.graph_breaks.labels(self.model_name, engine, phase).set(
+                snap[f"graph_breaks_{phase}"]
+            )

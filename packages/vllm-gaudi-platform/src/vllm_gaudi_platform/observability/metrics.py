@@ -26,7 +26,9 @@ Counters are totals since warmup (serving steps only; warmup's own runs are not 
   exact, unplanned shape;
 - ``{prompt_tokens,decode_batch,decode_blocks}_{real,padded}``: the work a step needed and the
   work its buckets ran (prefill tokens, decode sequences, decode KV blocks);
-- gauges ``warmup_seconds`` and ``graphs`` (captured HPU graphs; 0 until the runner has graphs).
+- gauges ``warmup_seconds`` and ``graphs`` (captured HPU graphs; 0 until the runner has graphs);
+- under torch.compile, ``compiled_graphs_{warmup,serving}`` (graphs dynamo compiled; one while
+  serving is a recompile: a guard that failed) and ``graph_breaks_{warmup,serving}``.
 
 Pure Python (no torch, no vllm): the arithmetic is tested without an engine.
 """
@@ -59,7 +61,13 @@ FIELDS: tuple[str, ...] = (
     "decode_blocks_padded",
     "warmup_seconds",
     "graphs",
+    "compiled_graphs_warmup",
+    "compiled_graphs_serving",
+    "graph_breaks_warmup",
+    "graph_breaks_serving",
 )
+# torch.compile's counts per phase (see runner/compiled.py), each a "<what>_<phase>" of FIELDS.
+COMPILE_PHASES: tuple[str, ...] = ("warmup", "serving")
 # The padding dimensions, each a (real, padded) pair of FIELDS.
 PADDING_DIMENSIONS: tuple[str, ...] = ("prompt_tokens", "decode_batch", "decode_blocks")
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
@@ -74,7 +82,7 @@ _PT_REAL, _PT_PAD, _DB_REAL, _DB_PAD, _DK_REAL, _DK_PAD = (
 # A magic number and a layout version lead the file, so a reader never trusts a foreign file;
 # then the writer's pid, so that files left by killed workers can be swept.
 _MAGIC = 0x48505553  # "HPUS"
-_VERSION = 2
+_VERSION = 3
 _HEADER = struct.Struct("<IIQ")
 _PREFIX = "vllm-gaudi-metrics-"
 SIZE = _HEADER.size + 8 * len(FIELDS)
@@ -164,6 +172,12 @@ class StepMetrics:
     def set_warmup(self, seconds: float, graphs: int) -> None:
         self._values[_INDEX["warmup_seconds"]] = seconds
         self._values[_INDEX["graphs"]] = graphs
+
+    def set_compile(self, graphs: dict[str, int], breaks: dict[str, int]) -> None:
+        """torch.compile's totals per phase (runner/compiled.py's CompileStats)."""
+        for phase in COMPILE_PHASES:
+            self._values[_INDEX[f"compiled_graphs_{phase}"]] = graphs.get(phase, 0)
+            self._values[_INDEX[f"graph_breaks_{phase}"]] = breaks.get(phase, 0)
 
     def record(
         self, layout: StepLayout, seq_lens: Sequence[int], block_size: int, recompiles: int

@@ -147,7 +147,14 @@ def _module_locator(model: torch.nn.Module) -> Callable[[str, int], str]:
 class CompiledModel:
     """The model's forward pass through torch.compile, with its compile accounting."""
 
-    def __init__(self, model: torch.nn.Module, backend: str, *, strict: bool) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: str,
+        *,
+        strict: bool,
+        publish: Callable[[dict[str, int], dict[str, int]], None] | None = None,
+    ) -> None:
         import torch._dynamo
 
         self.model = model
@@ -156,6 +163,7 @@ class CompiledModel:
         self.stats = CompileStats()
         self.phase = "warmup"
         self.current_bucket = ""
+        self._publish = publish  # the serving metrics' set_compile
         self._locate = _module_locator(model)
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, _MIN_RECOMPILE_LIMIT)
@@ -189,6 +197,11 @@ class CompiledModel:
             self.stats.compile_seconds += time.perf_counter() - start
         if len(graph_break_reasons) != before_breaks:
             self._record_breaks(graph_break_reasons[before_breaks:])
+        if self._publish is not None and sum(self.stats.graphs.values()) != before_graphs:
+            self._publish(
+                dict(self.stats.graphs),
+                {phase: len(found) for phase, found in self.stats.breaks.items()},
+            )
         return out
 
     def _record_breaks(self, reasons: list[Any]) -> None:

@@ -231,6 +231,7 @@ class HPUModelRunner(GPUModelRunner):
                 self.model,
                 self.seam.COMPILE_BACKEND,
                 strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
+                publish=self.step_metrics.set_compile,
             )
         # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
         # the same attention branch as one sequence per row, so one graph serves both.
