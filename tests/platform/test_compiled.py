@@ -40,8 +40,11 @@ class Stack(torch.nn.Module):
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
+    # The suite runs in lazy mode, where the platform turns dynamo off in-process once an
+    # engine config was checked here; these tests are about eager mode's compiles.
     torch._dynamo.reset()
-    yield
+    with torch._dynamo.config.patch(disable=False):
+        yield
     torch._dynamo.reset()
 
 
@@ -147,3 +150,65 @@ def test_step_metadata_becomes_bucket_shaped():
     fields = {f.name for f in dataclasses.fields(md)}
     assert {"slot_mapping", "num_actual_tokens", "identity_layout"} <= fields
     assert "prompt bs=" in compiled.bucket_label({"layer": shaped})
+
+
+COMPILE_SETTINGS = (
+    "import os, torch._dynamo\n"
+    "from vllm.engine.arg_utils import EngineArgs\n"
+    "from vllm_gaudi_platform.testing import tinymodels\n"
+    "model = str(tinymodels.build('llama'))\n"
+    "cases = {\n"
+    "    'default': {},\n"
+    "    'trace-once': {'compilation_config': {'mode': 2}},\n"
+    "    'eager': {'enforce_eager': True},\n"
+    "}\n"
+    "for name, kwargs in cases.items():\n"
+    "    try:\n"
+    "        config = EngineArgs(model=model, max_model_len=256, **kwargs).create_engine_config()\n"
+    "        print('CASE', name, 'mode', int(config.compilation_config.mode),\n"
+    "              'dynamo-off', torch._dynamo.config.disable,\n"
+    "              'exported', 'TORCHDYNAMO_DISABLE' in os.environ, flush=True)\n"
+    "    except Exception as exc:\n"
+    "        print('CASE', name, 'refused', str(exc).replace(chr(10), ' '), flush=True)\n"
+)
+
+
+def _cases(result) -> dict[str, str]:
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {
+        line.split()[1]: line.split(" ", 2)[2]
+        for line in result.stdout.splitlines()
+        if line.startswith("CASE ")
+    }
+
+
+def test_eager_mode_compiles_in_the_runner_and_refuses_what_it_would_not_honour(run_python):
+    cases = _cases(
+        run_python(COMPILE_SETTINGS, {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "0"})
+    )
+
+    # vLLM's own compile integration is off: the runner compiles (runner/compiled.py).
+    assert cases["default"] == "mode 0 dynamo-off False exported False"
+    assert cases["eager"] == "mode 0 dynamo-off False exported False"
+    assert cases["trace-once"].startswith("refused")
+    assert "compilation mode DYNAMO_TRACE_ONCE is not supported on HPU" in cases["trace-once"]
+    assert "leave the compilation mode unset" in cases["trace-once"]
+
+
+def test_lazy_mode_turns_dynamo_off_in_the_process_without_exporting_it(run_python):
+    cases = _cases(
+        run_python(COMPILE_SETTINGS, {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "1"})
+    )
+
+    # A child process started in eager mode must not inherit a disabled dynamo.
+    assert cases["default"] == "mode 0 dynamo-off True exported False"
+
+
+def test_torch_compile_with_dynamo_disabled_is_refused_by_name(run_python):
+    env = {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "0", "TORCHDYNAMO_DISABLE": "1"}
+    cases = _cases(run_python(COMPILE_SETTINGS, env))
+
+    assert cases["default"].startswith("refused")
+    assert "PT_HPU_LAZY_MODE=0 runs steps through torch.compile" in cases["default"]
+    assert "unset TORCHDYNAMO_DISABLE" in cases["default"]
+    assert cases["eager"].startswith("mode 0")  # enforce_eager=True compiles nothing: accepted

@@ -340,6 +340,7 @@ class HpuPlatform(Platform):
         # runner compiles the forward pass itself with the seam's backend, once per bucket, in
         # eager mode (PT_HPU_LAZY_MODE=0) unless enforce_eager (runner/compiled.py); lazy mode
         # builds its graphs op by op and replays HPU graphs instead.
+        _check_compile_settings(vllm_config)
         compilation_config.mode = CompilationMode.NONE
         _set_gaudi_runtime_env()
         if parallel_config.use_ray:
@@ -495,12 +496,39 @@ def _check_bucketing(vllm_config: VllmConfig) -> None:
     envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
 
 
+def _check_compile_settings(vllm_config: VllmConfig) -> None:
+    """Refuse, before any engine starts, a compile setting this platform would not honour."""
+    import torch._dynamo
+    from vllm.config import CompilationMode
+
+    from vllm_gaudi_platform.runner.compiled import compile_wanted
+
+    mode = vllm_config.compilation_config.mode
+    if mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
+        raise ValueError(
+            f"compilation mode {mode.name} is not supported on HPU: with PT_HPU_LAZY_MODE=0 the "
+            "platform compiles every bucket with torch.compile itself, and with "
+            "PT_HPU_LAZY_MODE=1 it replays HPU graphs; leave the compilation mode unset (or "
+            "pass enforce_eager=True to compile nothing)."
+        )
+    # torch.compile returns the function untouched under TORCHDYNAMO_DISABLE=1; dynamo's config
+    # flag stops compiled frames from running.
+    dynamo_off = torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1"
+    if compile_wanted(vllm_config) and dynamo_off:
+        raise ValueError(
+            "PT_HPU_LAZY_MODE=0 runs steps through torch.compile, which TORCHDYNAMO_DISABLE=1 "
+            "turns off: unset TORCHDYNAMO_DISABLE, set PT_HPU_LAZY_MODE=1 for HPU graphs, or "
+            "pass enforce_eager=True."
+        )
+
+
 def _set_gaudi_runtime_env() -> None:
     """The Gaudi runtime settings that must be fixed before the device is initialized."""
     os.environ.setdefault(envs.PT_HPU_WEIGHT_SHARING, "0")
+    from vllm_gaudi_platform.runner.compiled import configure_dynamo
+
+    configure_dynamo()
     if envs.lazy_mode():
-        # Lazy mode builds graphs op by op; dynamo on top of it only costs time.
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         os.environ.setdefault("PT_HPU_ENABLE_LAZY_COLLECTIVES", "true")
     else:
         os.environ.setdefault(envs.RUNTIME_SCALE_PATCHING, "1")

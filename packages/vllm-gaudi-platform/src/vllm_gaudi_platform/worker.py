@@ -15,6 +15,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.runner import sleep_mode
+from vllm_gaudi_platform.runner.compiled import configure_dynamo
 from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
 from vllm_gaudi_platform.seam import backend as seam_backend
 
@@ -46,6 +47,7 @@ class HPUWorker(Worker):
 
     # ------------------------------------------------------------------ start-up
     def init_device(self) -> None:
+        configure_dynamo()  # lazy mode: no dynamo in this worker process either
         self.seam = seam_backend()
         self.device = self.seam.torch_device(self.local_rank)
         current_platform.set_device(self.device)

@@ -27,7 +27,7 @@ RAY_EXTRA = "pip install 'vllm-gaudi-platform[ray]'"
 
 # Set by the platform (platform._set_gaudi_runtime_env) for the Gaudi runtime, which reads them
 # when it starts: a Ray worker must have them before it imports anything.
-_RUNTIME_VARIABLES = ("TORCHDYNAMO_DISABLE", "PT_HPU_ENABLE_LAZY_COLLECTIVES")
+_RUNTIME_VARIABLES = ("PT_HPU_ENABLE_LAZY_COLLECTIVES",)
 
 
 def is_installed() -> bool:

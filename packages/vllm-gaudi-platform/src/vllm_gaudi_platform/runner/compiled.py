@@ -55,6 +55,19 @@ def compile_wanted(vllm_config: Any) -> bool:
     return not envs.lazy_mode()
 
 
+def configure_dynamo() -> None:
+    """Lazy mode: dynamo off in this process, as Habana's lazy mode cannot run torch.compile
+    (and vLLM's small compiled helpers would try). Set in the process, not by exporting
+    TORCHDYNAMO_DISABLE, which child processes started in eager mode would inherit; the platform
+    calls this in the process that checks the config, and every worker at start."""
+    import torch._dynamo
+
+    from vllm_gaudi_platform import envs
+
+    if envs.lazy_mode():
+        torch._dynamo.config.disable = True
+
+
 class GraphBreakError(RuntimeError):
     """A compiled forward pass broke into several graphs where the ledger allows none."""
 
