@@ -30,7 +30,9 @@ NOISE = (
 def demo(console_script, clean_env) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [console_script("vllm-gaudi"), "demo", "--max-tokens", "8"],
-        env=clean_env(),
+        # As a newcomer runs it: PT_HPU_LAZY_MODE unset, the Gaudi default (eager mode, steps
+        # through torch.compile), not the suite's lazy mode.
+        env=clean_env({"PT_HPU_LAZY_MODE": None}),
         capture_output=True,
         text=True,
         timeout=900,
@@ -43,6 +45,11 @@ def test_the_demo_runs_in_emulation_and_exits_zero(demo):
     assert "running the HPU platform in CPU emulation" in demo.stdout
     assert "Device: HPU (emulated on cpu)" in demo.stdout
     assert "Recompiles after warmup: 0" in demo.stdout
+    compiled = re.search(
+        r"torch.compile: (\d+) graphs in warmup, (\d+) after, (\d+) graph breaks", demo.stdout
+    )
+    assert compiled, demo.stdout
+    assert int(compiled.group(1)) > 0 and compiled.group(2, 3) == ("0", "0")
 
 
 def test_the_demo_perplexity_through_the_hpu_platform_equals_transformers(demo):

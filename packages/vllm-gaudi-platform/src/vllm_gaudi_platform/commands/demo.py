@@ -93,3 +93,12 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
     print(stats["bucket_plan"])
     print(f"Warmup: {stats['warmup_seconds']:.2f} s")
     print(f"Recompiles after warmup: {stats['recompiles']}")
+    if stats.get("compiled"):
+        graphs = stats["compiled_graphs"]
+        breaks = sum(len(found) for found in stats["graph_breaks"].values())
+        print(
+            f"torch.compile: {graphs['warmup']} graphs in warmup, {graphs['serving']} after, "
+            f"{breaks} graph breaks"
+        )
+    elif stats.get("graphs_enabled"):
+        print(f"HPU graphs: {stats['num_graphs']} captured, {stats['graph_replays']} replays")

@@ -116,8 +116,9 @@ class HPUModelRunner(GPUModelRunner):
         )
         if graphs_wanted and not self.graphs.enabled:
             logger.info(
-                "HPU graphs are off: they need Gaudi's lazy mode (PT_HPU_LAZY_MODE=1); "
-                "PT_HPU_LAZY_MODE=0 runs steps eagerly or through torch.compile."
+                "HPU graphs are off: they need Gaudi's lazy mode (PT_HPU_LAZY_MODE=1); with "
+                "PT_HPU_LAZY_MODE=0 steps run through torch.compile, once per bucket "
+                "(enforce_eager=True: op by op)."
             )
         # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
         # (step_layout.split_mixed). Not with LoRA (its token mapping covers the whole step),
