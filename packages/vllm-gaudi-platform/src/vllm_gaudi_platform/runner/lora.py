@@ -110,7 +110,7 @@ class PunicaWrapperHPU(PunicaWrapperBase):
     ) -> torch.Tensor:
         """x [T, in] through vLLM's stacked A [slots, 1, rank, in] -> float32 [T, rank]."""
         a = lora_a.flatten(0, 1) if lora_a.dim() == 4 else lora_a
-        self.shapes.add((kind, x.size(0), x.size(1), a.size(0), a.size(1), a.size(1)))
+        self._record((kind, x.size(0), x.size(1), a.size(0), a.size(1), a.size(1)))
         return self.seam.lora_shrink(x, a, slots, scale)
 
     def _expand(
@@ -118,8 +118,14 @@ class PunicaWrapperHPU(PunicaWrapperBase):
     ) -> torch.Tensor:
         """x [T, rank] through vLLM's stacked B [slots, 1, out, rank] -> float32 [T, out]."""
         b = lora_b.flatten(0, 1) if lora_b.dim() == 4 else lora_b
-        self.shapes.add((kind, x.size(0), x.size(1), b.size(0), b.size(2), b.size(1)))
+        self._record((kind, x.size(0), x.size(1), b.size(0), b.size(2), b.size(1)))
         return self.seam.lora_expand(x, b, slots)
+
+    def _record(self, shape: tuple[str, int, int, int, int, int]) -> None:
+        """Note a kernel shape (for `unwarmed_shapes`). Not under torch.compile: a compiled
+        pass would guard on the set's contents, and its own guards count new shapes there."""
+        if not torch.compiler.is_compiling():
+            self.shapes.add(shape)
 
     @staticmethod
     def _accumulate(y: torch.Tensor, value: torch.Tensor, add_inputs: bool) -> None:

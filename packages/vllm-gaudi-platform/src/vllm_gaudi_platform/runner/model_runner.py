@@ -293,11 +293,21 @@ class HPUModelRunner(GPUModelRunner):
             return super().sample_tokens(grammar_output)
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's drafting; a draft head's forward passes run on the plan's buckets."""
-        if self.draft_bucketing is None:
-            return super().propose_draft_token_ids(*args, **kwargs)
-        with self.draft_bucketing.propose():
-            return super().propose_draft_token_ids(*args, **kwargs)
+        """vLLM's drafting; a draft head's forward passes run on the plan's buckets.
+
+        vLLM's n-gram proposer sets numba's thread count per batch and restores numba's own
+        count after, which through the shared OpenMP runtime can leave torch's intra-op thread
+        count changed: torch.compile guards on it, so every bucket would compile again. The
+        host's torch thread count is put back as it was."""
+        threads = torch.get_num_threads()
+        try:
+            if self.draft_bucketing is None:
+                return super().propose_draft_token_ids(*args, **kwargs)
+            with self.draft_bucketing.propose():
+                return super().propose_draft_token_ids(*args, **kwargs)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def _determine_batch_execution_and_padding(
         self,
