@@ -5,11 +5,12 @@ Gaudi runs by default) and eagerly (enforce_eager=True), and prints one JSON lin
 
 Job keys: cases ({name: {"model": path, "engine": extra LLM kwargs, "adapters": {name: PEFT
 path} (optional: the prompts run once per adapter and once on the base model, in one batch),
-"pooler": {PoolerConfig fields} (optional: an embedding model, whose vectors are compared)}}),
-prompts (token id lists), max_tokens, engine (LLM kwargs shared by every case). For each case, as soon as both engines are
-done: `RESULT <name> <json>` with each run's greedy tokens and top-5 logprobs and the compiled
-run's `get_recompile_stats` (graphs per phase, graph breaks, compiles per bucket); or
-`{"error": ...}` if an engine failed.
+"pooler": {PoolerConfig fields} (optional: an embedding model, whose vectors are compared),
+"prompts": the case's own prompts (optional)}}),
+prompts (token id lists), max_tokens, engine (LLM kwargs shared by every case). For each case,
+as soon as both engines are done: `RESULT <name> <json>` with each run's greedy tokens and top-5
+logprobs (or embeddings) and the compiled run's `get_recompile_stats` (graphs per phase, graph
+breaks, compiles per bucket); or `{"error": ...}` if an engine failed.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def generate(model: str, engine: dict, job: dict, case: dict) -> dict:
     else:
         llm = LLM(model=model, **engine)
     try:
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+        token_lists = case.get("prompts", job["prompts"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in token_lists]
         if "pooler" in case:
             outs = llm.embed(prompts, use_tqdm=False)
             return {
@@ -49,7 +51,7 @@ def generate(model: str, engine: dict, job: dict, case: dict) -> dict:
             ]
             loras = [None] * len(prompts)
             for request in requests:
-                loras += [request] * len(job["prompts"])
+                loras += [request] * len(token_lists)
             prompts = prompts * (1 + len(requests))
         outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
         return {

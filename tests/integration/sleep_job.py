@@ -40,6 +40,7 @@ def run(model: str) -> dict:
 
     out: dict = {"before": generate(), "awake": report(), "stats_before": stats()}
     for level in (1, 2):
+        out[f"level{level}_before"] = report()
         llm.sleep(level=level)
         out[f"level{level}_asleep"] = report()
         llm.wake_up(tags=["weights"])

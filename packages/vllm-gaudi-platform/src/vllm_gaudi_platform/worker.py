@@ -182,12 +182,19 @@ class HPUWorker(Worker):
             self.model_runner.recapture_graphs()
 
     def get_sleep_report(self) -> dict:
-        """Device bytes held now by the weights and the KV cache, and the sleep level (tests)."""
+        """Device bytes held now by the weights, the model's buffers and the KV cache, the
+        device's own count of allocated bytes (the seam's memory_allocated: HBM on a Gaudi, the
+        process's resident memory in emulation), and the sleep level (tests)."""
+        import gc
+
+        gc.collect()  # what sleeping dropped is gone before the device is asked
         return {
             "level": self._sleep.level,
             "asleep_tags": sorted(self._sleep.released),
             "weights_bytes": sleep_mode.device_bytes(self.model_runner.model.parameters()),
+            "buffer_bytes": sleep_mode.device_bytes(self.model_runner.model.buffers()),
             "kv_cache_bytes": sleep_mode.device_bytes(self._kv_cache_tensors()),
+            "device_allocated": self.seam.memory_allocated(),
         }
 
     @property

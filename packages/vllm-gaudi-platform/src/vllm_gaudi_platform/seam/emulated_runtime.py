@@ -47,13 +47,34 @@ def mem_get_info() -> tuple[int, int]:
 
 
 def memory_allocated() -> int:
-    """Bytes of tensors held by this process (resident set: the CPU has no allocator stats)."""
+    """Bytes of tensors held by this process (resident set: the CPU has no allocator stats).
+
+    Freed memory is first handed back to the system where the C library can (glibc's
+    malloc_trim): freed tensors below its mmap threshold otherwise stay resident in the heap,
+    and the count would not fall when a device's would."""
+    _trim_heap()
     try:
         import psutil
 
         return psutil.Process(os.getpid()).memory_info().rss
     except ImportError:
         return 0
+
+
+def _trim_heap() -> None:
+    import ctypes
+    import ctypes.util
+
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        _MALLOC_TRIM = getattr(libc, "malloc_trim", False) if libc is not None else False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
 
 
 def synchronize() -> None:
