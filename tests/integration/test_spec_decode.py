@@ -23,6 +23,7 @@ from vllm_gaudi_platform.testing import trainedmodel
 pytestmark = pytest.mark.engine
 
 JOB = Path(__file__).with_name("spec_decode_job.py")
+SAMPLING_JOB = Path(__file__).with_name("spec_sampling_job.py")
 K = 3
 MAX_TOKENS = 32
 TEXTS = [
@@ -116,3 +117,78 @@ def test_verification_and_drafting_steps_run_on_warmed_buckets(result, drafter):
 def trainedmodel_vocab_size() -> int:
     config = json.loads((trainedmodel.build(progress=False) / "config.json").read_text())
     return int(config["vocab_size"])
+
+
+# --- the rejection sampler's output distribution ------------------------------------------------
+# One prompt sampled SAMPLES times at temperature 1 with n-gram drafts: the second token comes from
+# a verification step (the drafter found the prompt's tail earlier in it), and must follow the
+# target model's own distribution whatever the drafter proposed. Chi-square at alpha = 0.001.
+SAMPLES = 600
+CHI2_CRITICAL = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46}
+
+
+@pytest.fixture(scope="module")
+def sampling() -> dict:
+    from transformers import AutoTokenizer
+
+    model = str(trainedmodel.build(progress=False))
+    prompt = AutoTokenizer.from_pretrained(model)(TEXTS[1])["input_ids"]
+    job = {
+        "model": model,
+        "prompt": prompt,
+        "samples": SAMPLES,
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2,
+        },
+        "engine": ENGINE,
+    }
+    result = job_result(run_job(SAMPLING_JOB, json.dumps(job)), "speculative sampling job")
+    result["prompt"] = prompt
+    return result
+
+
+def _chi_square(observed: list[int], probs: dict[int, float]) -> tuple[float, int]:
+    """Pearson's statistic of `observed` second tokens against `probs` (token -> probability),
+    binned as each token expected at least 5 times plus the rest; and its degrees of freedom."""
+    n = len(observed)
+    bins = [t for t, p in sorted(probs.items(), key=lambda kv: -kv[1]) if n * p >= 5]
+    rest = 1.0 - sum(probs[t] for t in bins)
+    expected = [n * probs[t] for t in bins] + [n * rest]
+    counts = [sum(1 for x in observed if x == t) for t in bins]
+    counts.append(n - sum(counts))
+    stat = sum((c - e) ** 2 / e for c, e in zip(counts, expected, strict=True) if e > 0)
+    return stat, len(bins)  # len(bins) + 1 cells, one constraint
+
+
+def test_random_sampled_tokens_after_verification_follow_the_target_distribution(sampling):
+    import math
+    from collections import Counter
+
+    pairs = sampling["pairs"]
+    first, _ = Counter(p[0] for p in pairs).most_common(1)[0]
+    observed = [p[1] for p in pairs if p[0] == first]
+    assert len(observed) >= 200, Counter(p[0] for p in pairs)
+    probs = {int(t): math.exp(lp) for t, lp in sampling["target"][str(first)].items()}
+    stat, dof = _chi_square(observed, probs)
+    assert 1 <= dof <= max(CHI2_CRITICAL)
+    assert stat < CHI2_CRITICAL[dof], (stat, dof, Counter(observed).most_common(8), probs)
+
+    # The test can tell a wrong sampler: one that always accepted the n-gram draft (the token that
+    # followed the prompt's tail earlier in the prompt) would put all its mass there.
+    context = [*sampling["prompt"], first]
+    tail = context[-2:]
+    draft = next(
+        context[i + 2] for i in range(len(context) - 3, -1, -1) if context[i : i + 2] == tail
+    )
+    always_accept = {t: (1.0 if t == draft else 1e-9) for t in probs}
+    wrong_stat, wrong_dof = _chi_square(observed, always_accept)
+    assert wrong_stat > CHI2_CRITICAL[min(max(wrong_dof, 1), 6)]
+
+    metrics = sampling["metrics"]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    # Drafts were verified, and some rejected: the residual distribution was sampled too.
+    assert 0 < accepted < drafted
