@@ -1,5 +1,10 @@
 """End-to-end throughput: the HPU platform in CPU emulation vs vLLM's own CPU backend.
 
+The HPU platform runs three ways, side by side: `hpu-emulation` as a Gaudi runs by default
+(PT_HPU_LAZY_MODE=0, steps through torch.compile, each bucket compiled in warmup), `hpu-eager`
+(the same with enforce_eager=True: nothing compiled) and `hpu-lazy` (lazy mode, HPU graphs
+replayed); their warmup seconds and compiled graph counts are in the notes, for information.
+
 Same tiny Llama, same seeded workload, same engine settings; each backend runs in its own
 process (vLLM resolves its platform once per process): this script re-invokes itself with
 `--worker <backend>`. Both engines start first (one after the other); then the rounds alternate,
@@ -37,7 +42,15 @@ import sys
 import tempfile
 import time
 
-BACKENDS = ("hpu-emulation", "cpu")
+# hpu-emulation: the Gaudi default, eager mode with steps through torch.compile (compiled once
+# per bucket in warmup); hpu-eager: the same with enforce_eager=True (nothing compiled); hpu-lazy:
+# lazy mode, HPU graphs replayed (the emulated tape).
+BACKENDS = ("hpu-emulation", "hpu-eager", "hpu-lazy", "cpu")
+HPU_BACKENDS = {
+    "hpu-emulation": ({"PT_HPU_LAZY_MODE": "0"}, {}),
+    "hpu-eager": ({"PT_HPU_LAZY_MODE": "0"}, {"enforce_eager": True}),
+    "hpu-lazy": ({"PT_HPU_LAZY_MODE": "1"}, {}),
+}
 ENGINE = {
     "dtype": "float32",
     "max_model_len": 512,
@@ -115,7 +128,8 @@ def run_worker(job: dict) -> None:
     from vllm.platforms import current_platform
 
     t0 = time.perf_counter()
-    llm = LLM(model=job["model"], **job["engine"])
+    engine = {**job["engine"], **HPU_BACKENDS.get(job["backend"], ({}, {}))[1]}
+    llm = LLM(model=job["model"], **engine)
     startup = time.perf_counter() - t0
 
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
@@ -155,6 +169,7 @@ def run_worker(job: dict) -> None:
                 extra = {
                     "recompiles": stats["recompiles"],
                     "warmup_s": stats["warmup_seconds"],
+                    "compiled_graphs": stats.get("compiled_graphs"),
                     "padding": {
                         part: padding_ratio(stats["step_metrics"], part)
                         for part in ("prompt_tokens", "decode_batch", "decode_blocks")
@@ -189,8 +204,9 @@ class Engine:
         env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
         if omp_threads is not None:
             env["OMP_NUM_THREADS"] = str(omp_threads)
-        if backend == "hpu-emulation":
+        if backend in HPU_BACKENDS:
             env["VLLM_HPU_EMULATION"] = "cpu"
+            env.update(HPU_BACKENDS[backend][0])
             if job.get("profile"):
                 env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core + runner in-process
         else:
@@ -279,7 +295,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.worker:
-        run_worker(json.loads(sys.stdin.readline()))
+        run_worker({**json.loads(sys.stdin.readline()), "backend": args.worker})
         return
 
     from vllm_gaudi_platform.testing import tinymodels
@@ -362,6 +378,9 @@ def run_model(
         notes = "out tok/s per round: " + ", ".join(f"{tok_s(r):.0f}" for r in res["rounds"])
         if "recompiles" in res:
             notes += f"; warmup {res['warmup_s']:.1f} s, recompiles {res['recompiles']}"
+            if res.get("compiled_graphs"):
+                graphs = res["compiled_graphs"]
+                notes += f", compiled {graphs['warmup']} + {graphs['serving']} graphs"
             pads = res["padding"]
             notes += "; padding " + ", ".join(f"{k} +{v:.0%}" for k, v in pads.items())
         print(

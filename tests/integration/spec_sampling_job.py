@@ -1,12 +1,11 @@
-"""Samples one prompt many times with n-gram speculative decoding at temperature 1 and prints what
-a distribution test of vLLM's rejection sampler on the HPU platform needs, as a RESULT JSON line.
+"""Samples one prompt many times with speculative decoding at temperature 1 and prints what a
+distribution test of vLLM's rejection sampler on the HPU platform needs, as a RESULT JSON line.
 
     python spec_sampling_job.py '<json job>'
 
-Job keys: model (path), prompt (token ids whose continuation the n-gram drafter finds in the
-prompt itself), samples (how many seeded requests), speculative_config, engine (LLM kwargs).
-Each request generates two tokens: the first from the prefill (no draft), the second from a
-verification step when the drafter proposed a continuation. Reported: every request's two
+Job keys: model (path), prompt (token ids), samples (how many seeded requests),
+speculative_config, engine (LLM kwargs). Each request generates two tokens: the first from the
+prefill (no draft), the second from a verification step of the drafter's proposal. Reported: every request's two
 tokens; for each first token seen, the target's own distribution of the next token (top 20
 logprobs of a plain request whose prompt ends with that token); vLLM's spec-decode counters.
 """

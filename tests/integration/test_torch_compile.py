@@ -26,7 +26,10 @@ ARCHITECTURES = (
     "gpt-oss",
     "deepseek-v2",
 )
-CASES = (*ARCHITECTURES, "ct-fp8-dynamic", "llama-lora", "llama-ngram", "bert")
+# Quantized checkpoints (tests/quant/checkpoints.py): FP8 with per-token activation scales,
+# AWQ 4-bit, and 4-bit compressed-tensors with an FP8 KV cache.
+QUANTIZED = ("ct-fp8-dynamic", "awq", "ct-wna16-kv-fp8")
+CASES = (*ARCHITECTURES, *QUANTIZED, "llama-lora", "llama-ngram", "bert")
 LOGPROB_TOLERANCE = 1e-4
 NGRAM = {
     "method": "ngram",
@@ -46,14 +49,15 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     from vllm_gaudi_platform.testing import tinymodels
 
     models = {name: str(tinymodels.build(name)) for name in ARCHITECTURES}
-    qdir, _ = checkpoints.write(
-        tinymodels.build("llama-soft"),
-        tmp_path_factory.mktemp("ct-fp8-dynamic"),
-        "ct-fp8-dynamic",
-        calibration=make_prompts(seed=1),
-    )
-    models["ct-fp8-dynamic"] = str(qdir)
-    cases = {name: {"model": models[name]} for name in (*ARCHITECTURES, "ct-fp8-dynamic")}
+    for fmt in QUANTIZED:
+        qdir, _ = checkpoints.write(
+            tinymodels.build("llama-soft"),
+            tmp_path_factory.mktemp(fmt),
+            fmt,
+            calibration=make_prompts(seed=1),
+        )
+        models[fmt] = str(qdir)
+    cases = {name: {"model": models[name]} for name in (*ARCHITECTURES, *QUANTIZED)}
     adapter = lora_adapters.build_adapter(
         Path(models["llama"]),
         tinymodels.cache_root() / "lora" / "compiled-alpha",

@@ -55,6 +55,25 @@ from vllm_gaudi_platform.seam import backend as seam_backend
 logger = init_logger(f"vllm.{__name__}")
 
 
+class RewindableGenerator(torch.Generator):
+    """A CPU generator that vLLM can rewind by one step: `set_offset` (CUDA's Philox offset,
+    which vLLM moves back by the draws of a discarded sample) restores the state the runner
+    saved before the step's sampling; `get_offset` only feeds that arithmetic."""
+
+    def __new__(cls, source: torch.Generator) -> RewindableGenerator:
+        return super().__new__(cls, device="cpu")  # type: ignore[call-arg]
+
+    def __init__(self, source: torch.Generator) -> None:  # the device is set by __new__
+        self.set_state(source.get_state())
+        self.snapshot = self.get_state()
+
+    def get_offset(self) -> int:  # type: ignore[override]
+        return 0
+
+    def set_offset(self, offset: int) -> None:  # type: ignore[override]
+        self.set_state(self.snapshot)
+
+
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
@@ -289,8 +308,29 @@ class HPUModelRunner(GPUModelRunner):
         """vLLM's sampling step; under async scheduling it returns before the sampled tokens
         reach the host (an `AsyncGPUModelRunnerOutput` copying them on a side stream) and keeps
         them on the device for the next step's input ids."""
+        self._rewindable_generators()
         with cuda_streams_on_seam():
             return super().sample_tokens(grammar_output)
+
+    def _rewindable_generators(self) -> None:
+        """Seeded requests' CPU generators (emulation) as `RewindableGenerator`s, each holding
+        its state from before this step's sampling. vLLM rewinds the generator of a request whose
+        token it discards (a chunked prompt's partial step) with CUDA's get_offset/set_offset,
+        which a CPU generator refuses: the engine died on any seeded request with a chunked
+        prompt."""
+        batch = self.input_batch
+        for index, gen in list(batch.generators.items()):
+            if gen.device.type != "cpu":
+                continue
+            if not isinstance(gen, RewindableGenerator):
+                own = RewindableGenerator(gen)
+                batch.generators[index] = own
+                req_id = batch.req_ids[index]
+                state = self.requests.get(req_id) if req_id is not None else None
+                if state is not None and state.generator is gen:
+                    state.generator = own
+                gen = own
+            gen.snapshot = gen.get_state()
 
     def propose_draft_token_ids(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's drafting; a draft head's forward passes run on the plan's buckets.
@@ -368,7 +408,7 @@ class HPUModelRunner(GPUModelRunner):
             return None
         return torch.full((size,), num_tokens, dtype=torch.int32)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as every serving step and warmup run (see warmup.run_bucket)
     def execute_idle_dp_step(self) -> None:
         """A step of a DP rank without requests while other DP ranks have some: agree on the
         step's buckets like a busy rank and run them on padding only, so that the MoE token

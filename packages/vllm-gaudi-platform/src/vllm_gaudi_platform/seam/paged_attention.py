@@ -34,7 +34,13 @@ def workspace(name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> 
     key = (name, dtype, str(device))
     numel = math.prod(shape)
     buf = _WORKSPACE.get(key)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under inference mode cannot be written outside it (torch refuses in-place
+    # updates of inference tensors there): such a caller gets its own.
+    if (
+        buf is None
+        or buf.numel() < numel
+        or (buf.is_inference() and not torch.is_inference_mode_enabled())
+    ):
         buf = _WORKSPACE[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
