@@ -5,9 +5,10 @@ distribution test of vLLM's rejection sampler on the HPU platform needs, as a RE
 
 Job keys: model (path), prompt (token ids), samples (how many seeded requests),
 speculative_config, engine (LLM kwargs). Each request generates two tokens: the first from the
-prefill (no draft), the second from a verification step of the drafter's proposal. Reported: every request's two
-tokens; for each first token seen, the target's own distribution of the next token (top 20
-logprobs of a plain request whose prompt ends with that token); vLLM's spec-decode counters.
+prefill (no draft), the second from a verification step of the drafter's proposal. Reported:
+every request's two tokens; for each first token seen, the target's own distribution of the next
+token (top 20 logprobs of a plain request whose prompt ends with that token); vLLM's spec-decode
+counters.
 """
 
 from __future__ import annotations
