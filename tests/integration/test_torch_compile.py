@@ -31,6 +31,10 @@ ARCHITECTURES = (
 QUANTIZED = ("ct-fp8-dynamic", "awq", "ct-wna16-kv-fp8")
 CASES = (*ARCHITECTURES, *QUANTIZED, "llama-lora", "llama-ngram", "bert")
 LOGPROB_TOLERANCE = 1e-4
+# An FP8 KV cache keeps 3 mantissa bits: a last-bit difference in a float32 key or value before
+# the cast (the compiled graph orders some float ops differently) can round one element to the
+# neighbouring FP8 value. Measured: 1.08e-4 at most (tokens identical).
+FP8_KV_CASES = {"ct-wna16-kv-fp8": 1e-3}
 NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 2,
@@ -115,7 +119,8 @@ def test_compiled_engine_equals_eager(runs, name):
         assert c["tokens"] == e["tokens"], f"{name}: prompt {i}: compiled {c} vs eager {e}"
         for pos, (c_top, e_top) in enumerate(zip(c["logprobs"], e["logprobs"], strict=True)):
             token = str(c["tokens"][pos])
-            assert abs(c_top[token] - e_top[token]) <= LOGPROB_TOLERANCE, (
+            tolerance = FP8_KV_CASES.get(name, LOGPROB_TOLERANCE)
+            assert abs(c_top[token] - e_top[token]) <= tolerance, (
                 f"{name}: prompt {i} token {pos}: logprob {c_top[token]} vs eager {e_top[token]}"
             )
 
