@@ -818,13 +818,15 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_num_tokens_across_dp",
                 "execute_idle_dp_step",
                 "_route_linears_through_seam",
+                "_run_model",
+                "_rewindable_generators",
             }
         ),
     ),
     Overriding(
         f"{P}.runner.lora:PunicaWrapperHPU",
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase",
-        frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate"}),
+        frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate", "_record"}),
     ),
     Overriding(
         f"{P}.attention.metadata:HPUAttentionMetadataBuilder",
