@@ -129,6 +129,9 @@ def test_no_recompiles_after_warmup_with_lora(run):
     stats = run["stats"]
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["lora_unwarmed_shapes"] == []
+    # Steps that mixed prefills and decodes ran as two passes on warmed buckets, each with its
+    # own tokens' adapter slots (the tokens above equal the merged-weight reference).
+    assert stats["split_steps"] > 0
 
 
 # --- the same adapters through `vllm serve` -------------------------------------------------------

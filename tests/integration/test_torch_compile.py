@@ -133,19 +133,13 @@ def test_compiles_once_per_bucket_and_never_after_warmup(runs, name):
     assert stats["graph_breaks"] == {"warmup": [], "serving": []}
     assert stats["recompiles"] == 0  # every step's buckets were warmed
     by_bucket = stats["compiles_by_bucket"]
+    assert stats["compiled_graphs"]["serving"] == 0, stats["recompiled_buckets"]
+    assert stats["compile_recompiles"] == 0
+    assert sum(by_bucket.values()) == stats["compiled_graphs"]["warmup"]
     if name == "llama-lora":
-        # With LoRA a step of prefills and decodes runs as ONE forward pass (the adapter mapping
-        # covers the whole step; other runners split it into two warmed buckets), a shape
-        # warmup never ran: each such combination compiles once while serving, and nothing else.
-        assert stats["recompiled_buckets"], "the LoRA job had no mixed step to show it"
-        assert all(" + decode" in label for label in stats["recompiled_buckets"])
-        assert all(by_bucket[label] == 1 for label in stats["recompiled_buckets"])
-        warmup_only = {k: n for k, n in by_bucket.items() if k not in stats["recompiled_buckets"]}
-        assert sum(warmup_only.values()) == stats["compiled_graphs"]["warmup"]
-    else:
-        assert stats["compiled_graphs"]["serving"] == 0, stats["recompiled_buckets"]
-        assert stats["compile_recompiles"] == 0
-        assert sum(by_bucket.values()) == stats["compiled_graphs"]["warmup"]
+        # Mixed prefill + decode steps with LoRA run as two passes on warmed buckets, each with
+        # its own tokens' adapter slots: the job has such steps.
+        assert stats["split_steps"] > 0
     assert all(n == 1 for n in by_bucket.values()), by_bucket
     plain = [label for label in by_bucket if "packed" not in label and "+" not in label]
     buckets = stats["num_prompt_buckets"] + stats["num_decode_buckets"]

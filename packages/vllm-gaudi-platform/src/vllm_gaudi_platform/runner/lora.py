@@ -88,6 +88,12 @@ class PunicaWrapperHPU(PunicaWrapperBase):
         # Segment metadata (compute_meta) is never needed: the kernels take per-token slots.
         self.is_prefill = False
 
+    def token_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The per-token buffers a forward pass reads by token index (tokens on the last
+        dimension), each with the value a padding token carries: a mixed step run in two passes
+        (mixed_steps.py) gives each pass its own tokens' entries at the front."""
+        return [(self._token_lora_indices, NO_ADAPTER), (self._embeddings_indices, 0)]
+
     def _slots(self, num_tokens: int) -> torch.Tensor:
         if num_tokens > self.capacity:
             raise ValueError(

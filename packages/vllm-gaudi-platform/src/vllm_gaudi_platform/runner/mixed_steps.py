@@ -44,8 +44,10 @@ def forward_in_parts(
     Each pass reads its own tokens at the front of vLLM's persistent token buffers (where its
     graph was captured); the buffers get the step's tokens back afterwards, since vLLM reads
     them again (drafting). The hidden states come back in the step's token order, padding
-    rows zero, so vLLM's logits and pooling indices are unchanged. `eager` runs a pass that has
-    no graph (the base runner's `_model_forward`); `runner` is the HPUModelRunner.
+    rows zero, so vLLM's logits and pooling indices are unchanged. Other per-token buffers the
+    runner names (`token_side_buffers`: LoRA's adapter slots) are rearranged the same way.
+    `eager` runs a pass that has no graph (the base runner's `_model_forward`); `runner` is the
+    HPUModelRunner.
     """
     context = get_forward_context()
     step_md = context.attn_metadata
@@ -56,6 +58,8 @@ def forward_in_parts(
     ):
         return None
     saved_ids, saved_pos = input_ids.clone(), positions.clone()
+    # LoRA's adapter slots per token: each pass reads its own tokens' at the front.
+    side = [(buf, pad, buf.clone()) for buf, pad in runner.token_side_buffers()]
     saved_padding = context.is_padding
     passes = (
         (split.prefill, split.prefill_tokens),
@@ -73,6 +77,9 @@ def forward_in_parts(
             ids[n:].zero_()
             pos[:n].copy_(saved_pos[tokens])
             pos[n:].zero_()
+            for buf, pad, saved in side:
+                buf[..., :n] = saved[..., tokens]
+                buf[..., n:total] = pad
             part_md = {name: md.parts[index] for name, md in step_md.items()}
             context.attn_metadata = part_md  # type: ignore[assignment]
             step_layout.set_current(part)
@@ -90,5 +97,7 @@ def forward_in_parts(
         step_layout.set_current(layout)
         input_ids.copy_(saved_ids)
         positions.copy_(saved_pos)
+        for buf, _, saved in side:
+            buf.copy_(saved)
     runner.split_steps += 1
     return merged

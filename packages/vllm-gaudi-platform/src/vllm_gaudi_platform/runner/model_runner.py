@@ -140,12 +140,12 @@ class HPUModelRunner(GPUModelRunner):
                 "(enforce_eager=True: op by op)."
             )
         # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
-        # (step_layout.split_mixed). Not with LoRA (its token mapping covers the whole step),
-        # pipeline stages (the next stage receives one tensor per step) or data parallelism
-        # (every DP rank must meet the same MoE collectives, step by step).
+        # (step_layout.split_mixed); with LoRA each pass gets its own tokens' adapter slots
+        # (token_side_buffers). Not with pipeline stages (the next stage receives one tensor per
+        # step) or data parallelism (every DP rank must meet the same MoE collectives, step by
+        # step).
         self.split_mixed_steps = (
-            self.lora_config is None
-            and self.parallel_config.pipeline_parallel_size == 1
+            self.parallel_config.pipeline_parallel_size == 1
             and self.parallel_config.data_parallel_size == 1
         )
         self.split_steps = 0  # mixed steps run as two passes
@@ -584,6 +584,14 @@ class HPUModelRunner(GPUModelRunner):
         """Warmup's forward pass of one bucket, and an idle DP rank's padding-only step
         (warmup.py, `forward_with_metadata`)."""
         warmup.forward_with_metadata(self, metadata, total, n, capture=capture)
+
+    def token_side_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """Per-token buffers besides input ids and positions that a forward pass reads by token
+        index, each with its padding value (tokens on the last dimension): LoRA's adapter slots.
+        A split mixed step (mixed_steps.py) rearranges them per pass like the input ids."""
+        if not self.lora_config:
+            return []
+        return hpu_lora.punica_wrapper_of(self.lora_manager).token_buffers()
 
     def lora_unwarmed_shapes(self) -> list[tuple]:
         """LoRA kernel shapes run after warmup that warmup did not run (empty when LoRA is off)."""
