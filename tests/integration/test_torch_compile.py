@@ -1,8 +1,8 @@
 """torch.compile as a Gaudi runs it by default (PT_HPU_LAZY_MODE=0): whole engines compile their
 forward pass once per warmed bucket and nothing after, trace without a graph break, and give the
-eager engine's greedy tokens with its logprobs to 1e-4. One job process runs every case twice
-(compiled, then enforce_eager=True); dynamo runs with the emulation's backend (`eager`, see
-seam/emulated.py for why not aot_eager).
+uncompiled passes' greedy tokens with their logprobs to 1e-4. One job process runs each case in
+one engine twice (compiled, then op by op in the same engine: compile_job.py); dynamo runs with
+the emulation's backend (`eager`, see seam/emulated.py for why not aot_eager).
 """
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ import json
 
 import pytest
 
+from tests.integration.compile_job import (
+    assert_compiled_only_in_warmup,
+    assert_matches_eager,
+    ran_both_ways,
+)
 from tests.integration.generation import ENGINE, make_prompts, named_job_outputs, run_job
 
 pytestmark = pytest.mark.engine
@@ -27,9 +32,15 @@ ARCHITECTURES = (
     "deepseek-v2",
 )
 # Quantized checkpoints (tests/quant/checkpoints.py): FP8 with per-token activation scales,
-# AWQ 4-bit, and 4-bit compressed-tensors with an FP8 KV cache.
-QUANTIZED = ("ct-fp8-dynamic", "awq", "ct-wna16-kv-fp8")
-CASES = (*ARCHITECTURES, *QUANTIZED, "llama-lora", "llama-ngram", "bert")
+# AWQ and GPTQ 4-bit, and 4-bit compressed-tensors with an FP8 KV cache.
+QUANTIZED = ("ct-fp8-dynamic", "awq", "gptq", "ct-wna16-kv-fp8")
+# vLLM's own FP8 format (tests/quant/fp8_checkpoints.py): static activation scales with
+# per-tensor and per-channel weights, and MoE experts on the FP8 (W8A8) MoE kernel.
+FP8_FORMAT = ("llama-fp8-static", "mixtral-fp8-static")
+# Draft heads whose passes compile per bucket like the target's: EAGLE-3 (fitted to the trained
+# tiny Llama, tests/integration/eagle_drafts.py) and a model's own MTP layer (mtp_drafts.py).
+DRAFT_HEADS = ("eagle3", "mtp")
+CASES = (*ARCHITECTURES, *QUANTIZED, *FP8_FORMAT, "llama-lora", "llama-ngram", *DRAFT_HEADS, "bert")
 LOGPROB_TOLERANCE = 1e-4
 # An FP8 KV cache keeps 3 mantissa bits: a last-bit difference in a float32 key or value before
 # the cast (the compiled graph orders some float ops differently) can round one element to the
@@ -49,7 +60,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     from pathlib import Path
 
     from tests.integration import lora_adapters
-    from tests.quant import checkpoints
+    from tests.quant import checkpoints, fp8_checkpoints
     from vllm_gaudi_platform.testing import tinymodels
 
     models = {name: str(tinymodels.build(name)) for name in ARCHITECTURES}
@@ -61,7 +72,10 @@ def runs(tmp_path_factory) -> dict[str, dict]:
             calibration=make_prompts(seed=1),
         )
         models[fmt] = str(qdir)
-    cases = {name: {"model": models[name]} for name in (*ARCHITECTURES, *QUANTIZED)}
+    for fmt in FP8_FORMAT:
+        qdir, _ = fp8_checkpoints.write(fmt, tmp_path_factory.mktemp(fmt), make_prompts(seed=1))
+        models[fmt] = str(qdir)
+    cases = {name: {"model": models[name]} for name in (*ARCHITECTURES, *QUANTIZED, *FP8_FORMAT)}
     adapter = lora_adapters.build_adapter(
         Path(models["llama"]),
         tinymodels.cache_root() / "lora" / "compiled-alpha",
@@ -81,6 +95,31 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         # and proposes what followed, so steps verify drafts.
         "prompts": [[5 + i, 6, 7, 8, 9 + i] * (4 + 3 * i) + [5 + i, 6, 7] for i in range(4)],
     }
+    from transformers import AutoTokenizer
+
+    from tests.integration import eagle_drafts, mtp_drafts
+    from vllm_gaudi_platform.testing import trainedmodel
+
+    trained = str(trainedmodel.build(progress=False))
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    texts = ["The history of the city begins", "In mathematics, a group is", "Once upon a time"]
+    text_prompts = [tokenizer(t)["input_ids"] for t in texts]
+    cases["eagle3"] = {
+        "model": trained,
+        "engine": {
+            "speculative_config": {
+                "method": "eagle3",
+                "model": str(eagle_drafts.build("eagle3")),
+                "num_speculative_tokens": 2,
+            }
+        },
+        "prompts": text_prompts,
+    }
+    cases["mtp"] = {
+        "model": str(mtp_drafts.build()),
+        "engine": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}},
+        "prompts": text_prompts,
+    }
     cases["bert"] = {
         "model": str(tinymodels.build("bert")),
         "pooler": {"seq_pooling_type": "MEAN"},
@@ -95,7 +134,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "engine": ENGINE,
     }
     script = Path(__file__).with_name("compile_job.py")
-    proc = run_job(script, json.dumps(job), {"PT_HPU_LAZY_MODE": "0"}, timeout=240 * len(CASES))
+    proc = run_job(script, json.dumps(job), {"PT_HPU_LAZY_MODE": "0"}, timeout=180 * len(CASES))
     outputs = named_job_outputs(proc)
     return {
         name: outputs.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
@@ -106,23 +145,13 @@ def runs(tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("name", CASES)
 def test_compiled_engine_equals_eager(runs, name):
     result = runs[name]
-    assert "error" not in result, result.get("error")
-    compiled, eager = result["compiled"], result["eager"]
-    assert compiled["stats"]["compiled"] is True
-    assert eager["stats"]["compiled"] is False  # enforce_eager=True keeps the eager path
-    if "embeddings" in compiled:
+    if "embeddings" in result.get("compiled", {}):
+        compiled, eager = ran_both_ways(result)
         for i, (c, e) in enumerate(zip(compiled["embeddings"], eager["embeddings"], strict=True)):
             worst = max(abs(x - y) for x, y in zip(c, e, strict=True))
             assert worst <= EMBEDDING_TOLERANCE, f"{name}: prompt {i}: {worst}"
         return
-    for i, (c, e) in enumerate(zip(compiled["outputs"], eager["outputs"], strict=True)):
-        assert c["tokens"] == e["tokens"], f"{name}: prompt {i}: compiled {c} vs eager {e}"
-        for pos, (c_top, e_top) in enumerate(zip(c["logprobs"], e["logprobs"], strict=True)):
-            token = str(c["tokens"][pos])
-            tolerance = FP8_KV_CASES.get(name, LOGPROB_TOLERANCE)
-            assert abs(c_top[token] - e_top[token]) <= tolerance, (
-                f"{name}: prompt {i} token {pos}: logprob {c_top[token]} vs eager {e_top[token]}"
-            )
+    assert_matches_eager(name, result, FP8_KV_CASES.get(name, LOGPROB_TOLERANCE))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -130,28 +159,37 @@ def test_compiles_once_per_bucket_and_never_after_warmup(runs, name):
     result = runs[name]
     assert "error" not in result, result.get("error")
     stats = result["compiled"]["stats"]
-    assert stats["graph_breaks"] == {"warmup": [], "serving": []}
+    assert_compiled_only_in_warmup(stats)
     assert stats["recompiles"] == 0  # every step's buckets were warmed
     by_bucket = stats["compiles_by_bucket"]
-    assert stats["compiled_graphs"]["serving"] == 0, stats["recompiled_buckets"]
-    assert stats["compile_recompiles"] == 0
-    assert sum(by_bucket.values()) == stats["compiled_graphs"]["warmup"]
     if name == "llama-lora":
         # Mixed prefill + decode steps with LoRA run as two passes on warmed buckets, each with
         # its own tokens' adapter slots: the job has such steps.
         assert stats["split_steps"] > 0
-    assert all(n == 1 for n in by_bucket.values()), by_bucket
-    plain = [label for label in by_bucket if "packed" not in label and "+" not in label]
     buckets = stats["num_prompt_buckets"] + stats["num_decode_buckets"]
+    plain = [
+        label
+        for label in by_bucket
+        if "packed" not in label and "+" not in label and not label.startswith("draft ")
+    ]
     if name == "bert":
         # Encoder-only: no KV cache, so prompt buckets differing only in context blocks are one
         # shape, compiled once.
         assert 0 < len(plain) < buckets, by_bucket
     else:
         assert len(plain) == buckets, by_bucket
+    draft = [label for label in by_bucket if label.startswith("draft ")]
+    if name in DRAFT_HEADS:
+        # The head ran compiled while serving, on graphs warmup compiled once per bucket.
+        assert stats["compiled_serving_passes"].get("draft", 0) > 0, stats
+        # The head compiled exactly the target's buckets (and their variants), once each.
+        target = {label for label in by_bucket if not label.startswith("draft ")}
+        assert {label.removeprefix("draft ") for label in draft} == target, by_bucket
+    else:
+        assert draft == [] and "draft" not in stats["compiled_serving_passes"]
     hits = stats["bucket_hits"]
     assert hits.get("prompt", 0) > 0
     if name != "bert":
         assert hits.get("decode", 0) > 0
-    if name == "llama-ngram":
+    if name in ("llama-ngram", *DRAFT_HEADS):
         assert stats["num_verify_buckets"] > 0 and hits.get("verify", 0) > 0

@@ -10,8 +10,10 @@ weights (softmax top-2 routing, renormalized; SiLU-gated experts). Runs in a fre
 Tolerance: the kernels reproduce the dequantized weights exactly in float32 (see
 test_uint4_kernel.py; FP8 times its scale is exact in float32) and routing reads the same logits,
 so only the order of float32 accumulation differs: atol 1e-4, rtol 1e-4 on outputs up to ~3
-(about 2e-6 measured). FP8 experts run W8A16: their activations are not quantized, so the
-reference does not quantize them either.
+(about 2e-6 measured). FP8 experts with per-tensor or per-channel weight scales run W8A8: the
+reference rounds the tokens and each expert's intermediate to FP8 as Gaudi's FP8 MoE kernel does
+(static scales from the checkpoint, or per token); block-scaled ones run W8A16 against the float
+reference.
 """
 
 from __future__ import annotations
@@ -131,6 +133,25 @@ def reference(x, logits, deq):
             out[t] += w * (h @ deq[e, "w2"].t())
     return out
 
+def fp8_round(v, scale, limit):
+    # v rounded to the FP8 grid under `scale` (saturating at the device's limit), in float32.
+    return (v / scale).clamp(-limit, limit).to(torch.float8_e4m3fn).float() * scale
+
+def reference_w8a8(x, logits, deq, limit, x_scale, inter_scales):
+    # What Gaudi's FP8 MoE kernel computes: FP8 tokens (x_scale: static 0-d, or None: one scale
+    # per token), each expert's intermediate rounded to FP8 (its static scale, or per token).
+    xs = x_scale if x_scale is not None else x.abs().amax(-1, keepdim=True) / limit
+    xq = fp8_round(x, xs, limit)
+    weights, ids = logits.softmax(-1).topk(TOPK, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], ids[t].tolist()):
+            h = F.silu(xq[t] @ deq[e, "w1"].t()) * (xq[t] @ deq[e, "w3"].t())
+            hs = inter_scales[e] if inter_scales is not None else h.abs().amax() / limit
+            out[t] += w * (fp8_round(h, hs, limit) @ deq[e, "w2"].t())
+    return out
+
 def run(name):
     cls, hf_cfg, make = CASES[name]
     layer = build(cls.from_config(hf_cfg))
@@ -146,18 +167,31 @@ def run(name):
     layer.routing_sink = types.SimpleNamespace(
         buffer=torch.full((16, TOPK), -1, dtype=torch.int16), capture_fn=captures.append
     )
+    w8a8 = getattr(method, "block", "n/a") is None  # FP8 experts with per-row weight scales
     with torch.no_grad():
         got = method.apply_monolithic(layer, x, logits)
-        want = reference(x, logits, deq)
+        want = w8a16 = reference(x, logits, deq)
+        if w8a8:
+            from vllm_gaudi_platform.seam import backend
+            limit = backend().fp8_max(torch.float8_e4m3fn)
+            factor = 448.0 / limit  # checkpoint scales are for E4M3's 448
+            x_scale = inter = None
+            if method.static_input:
+                x_scale = max(input_scale(10 * e) for e in range(EXPERTS)).reshape(()) * factor
+                inter = [input_scale(10 * e + 1).reshape(()) * factor for e in range(EXPERTS)]
+            want = reference_w8a8(x, logits, deq, limit, x_scale, inter)
     routed = logits.softmax(-1).topk(TOPK, dim=-1).indices
     static = {}
     if getattr(layer, "w13_input_scale", None) is not None:
         # What each expert's checkpoint input scales were (load() seeds: 10 * e, 10 * e + 1).
+        # Brought into the device's FP8 range like the weight scales (x 448 / the device's max).
+        from vllm_gaudi_platform.seam import backend
+        factor = 448.0 / backend().fp8_max(torch.float8_e4m3fn)
         static = {
             "w13": [layer.w13_input_scale[e].item() for e in range(EXPERTS)],
             "w2": [layer.w2_input_scale[e].item() for e in range(EXPERTS)],
-            "want_w13": [input_scale(10 * e).item() for e in range(EXPERTS)],
-            "want_w2": [input_scale(10 * e + 1).item() for e in range(EXPERTS)],
+            "want_w13": [input_scale(10 * e).item() * factor for e in range(EXPERTS)],
+            "want_w2": [input_scale(10 * e + 1).item() * factor for e in range(EXPERTS)],
         }
     return {
         "static_input_scales": static,
@@ -167,6 +201,8 @@ def run(name):
         "max_err": float((got - want).abs().max()),
         "scale": float(want.abs().max()),
         "close": bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4)),
+        "w8a8": w8a8,
+        "w8a16_err": float((got - w8a16).abs().max()),
         "captured": [c.long().sort(-1).values.tolist() for c in captures],
         "routed": routed.sort(-1).values.tolist(),
     }
@@ -295,6 +331,25 @@ def test_static_input_scales_of_fp8_experts_load_per_expert(moe_result, case):
 def test_fp8_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
     r = moe_result[case]
     assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
+
+
+W8A8_CASES = tuple(c for c in FP8_CASES + FP8_FORMAT_CASES if "block" not in c)
+
+
+@pytest.mark.parametrize("case", W8A8_CASES)
+def test_fp8_experts_quantize_their_activations_w8a8(moe_result, case):
+    """The FP8 experts match the W8A8 reference (FP8 tokens and intermediates) and NOT the W8A16
+    one: an implementation that dequantized the weights and kept float activations would be
+    off by more than ten times the tolerance."""
+    r = moe_result[case]
+    assert r["w8a8"] is True
+    tolerance = 1e-4 + 1e-4 * r["scale"]
+    print(f"{case}: W8A8 error {r['max_err']:.2e}, W8A16 error {r['w8a16_err']:.2e}")
+    assert r["w8a16_err"] > 10 * tolerance, r
+
+
+def test_block_scaled_fp8_experts_run_w8a16(moe_result):
+    assert moe_result["fp8-block"]["w8a8"] is False
 
 
 def test_block_scaled_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused_by_name(

@@ -236,8 +236,18 @@ class HPUWorker(Worker):
             "step_metrics": runner.step_metrics.snapshot(),
             # torch.compile (eager mode): graphs per phase, graph breaks, compiles while serving.
             "compiled": runner.compiled_model is not None,
+            "compiled_forward_on": runner.compiled_model is not None and runner.compiled_forward_on,
             **(runner.compiled_model.stats.as_dict() if runner.compiled_model is not None else {}),
         }
+
+    def set_compiled_forward(self, on: bool) -> bool:
+        """Diagnostics for an engine that compiles (PT_HPU_LAZY_MODE=0): run its forward passes
+        through the compiled graphs (True, the default) or op by op (False), e.g. to compare
+        its outputs with its own uncompiled passes without a second engine. Returns whether
+        the passes are compiled now."""
+        runner = self.model_runner
+        runner.compiled_forward_on = bool(on)
+        return runner.compiled_model is not None and runner.compiled_forward_on
 
     def check_health(self) -> None:
         return None

@@ -44,6 +44,11 @@ def _fake_mixture_of_experts(hidden_states, *args, **kwargs):
     return torch.empty_like(hidden_states)
 
 
+def _fake_mixture_of_experts_fp8(hidden_states, expert_routing_table, router_weights, *args):
+    # The FP8 form returns the model's dtype (router weights').
+    return hidden_states.new_empty(hidden_states.shape, dtype=router_weights.dtype)
+
+
 _FAKES = {
     "cast_to_fp8_v2": _fake_cast_to_fp8_v2,
     "cast_from_fp8": _fake_cast_from_fp8,
@@ -59,6 +64,13 @@ def _register() -> None:
             continue
         op = torch.library.custom_op(f"hpu::{name}", mutates_args=())(getattr(_kernels, name))
         op.register_fake(_FAKES[name])
+    # The FP8 form of mixture_of_experts is an overload of the same op, as in Habana's bridge:
+    # torch.ops.hpu.mixture_of_experts(...) picks it when the call passes its scale arguments.
+    if "fp8_fused_weights" not in torch.ops.hpu.mixture_of_experts.overloads():
+        qualname = "hpu::mixture_of_experts.fp8_fused_weights"
+        torch.library.define(qualname, _kernels.MOE_FP8_SCHEMA)
+        torch.library.impl(qualname, "CompositeExplicitAutograd")(_kernels.mixture_of_experts_fp8)
+        torch.library.register_fake(qualname)(_fake_mixture_of_experts_fp8)
 
 
 def _register_dynamo_backend() -> None:

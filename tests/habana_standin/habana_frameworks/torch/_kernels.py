@@ -219,17 +219,118 @@ def mixture_of_experts(
     experts_min: int,
     experts_max: int,
 ) -> torch.Tensor:
+    return _moe(
+        hidden_states,
+        expert_routing_table,
+        router_weights,
+        w12,
+        w3,
+        permuted_weights,
+        activation,
+        experts_min,
+        experts_max,
+    )
+
+
+# Fact: the FP8 form's schema (bridge registration, fused weights): after the weight lists come
+# d_scale_hidden_states, d_scale_intermediate_hidden_states, d_scale_w12, d_scale_w3, then the
+# bf16 form's flags. The stand-in declares the intermediate scales optional (Intel's dynamic
+# calls leave them out), which makes the arguments after d_scale_hidden_states keyword-only
+# here (every call site passes them by name).
+MOE_FP8_SCHEMA = (
+    "(Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights, Tensor[] w12, "
+    "Tensor[] w3, Tensor d_scale_hidden_states, *, "
+    "Tensor[]? d_scale_intermediate_hidden_states=None, Tensor[] d_scale_w12, "
+    "Tensor[] d_scale_w3, bool permuted_weights, str activation, int experts_min, "
+    "int experts_max) -> Tensor"
+)
+
+
+def mixture_of_experts_fp8(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    d_scale_hidden_states: torch.Tensor,
+    *,
+    d_scale_intermediate_hidden_states: list[torch.Tensor] | None = None,
+    d_scale_w12: list[torch.Tensor],
+    d_scale_w3: list[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    return _moe(
+        hidden_states,
+        expert_routing_table,
+        router_weights,
+        w12,
+        w3,
+        permuted_weights,
+        activation,
+        experts_min,
+        experts_max,
+        d_scale_hidden_states,
+        d_scale_intermediate_hidden_states,
+        d_scale_w12,
+        d_scale_w3,
+    )
+
+
+def _moe(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+    d_scale_hidden_states: torch.Tensor | None = None,
+    d_scale_intermediate_hidden_states: list[torch.Tensor] | None = None,
+    d_scale_w12: list[torch.Tensor] | None = None,
+    d_scale_w3: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    # Fact: the op has a bf16 form and an FP8 form (`fp8_fused_weights`), the latter picked by
+    # its scale arguments: FP8 hidden states with `d_scale_hidden_states`, FP8 expert weights
+    # with one scale list per weight list, and optionally one intermediate scale per expert
+    # (bridge: mixture_of_experts_fp8* registrations and test_mixture_of_experts_fp8; Intel's
+    # per-channel FP8 MoE passes per-token hidden scales [M, 1] and per-output-channel weight
+    # scales, and leaves the intermediate scales out when activations are dynamic).
     # Fact: the routing table is int64 (the kernel is built for it; Intel casts top-k ids with
-    # .to(torch.int64) before the call); router weights have the activations' dtype.
+    # .to(torch.int64) before the call).
     _require(
         expert_routing_table.dtype == torch.int64,
         f"mixture_of_experts: expert_routing_table is {expert_routing_table.dtype}, not int64",
     )
-    _require(
-        router_weights.dtype == hidden_states.dtype,
-        f"mixture_of_experts: router_weights {router_weights.dtype} vs hidden_states "
-        f"{hidden_states.dtype}",
-    )
+    fp8 = d_scale_w12 is not None
+    if fp8:
+        _require(
+            hidden_states.dtype in FP8_TYPES,
+            f"mixture_of_experts (FP8): hidden_states are {hidden_states.dtype}, not FP8",
+        )
+        _require(
+            d_scale_hidden_states is not None and d_scale_w3 is not None,
+            "mixture_of_experts (FP8): d_scale_hidden_states and d_scale_w3 are required",
+        )
+        _require(
+            router_weights.dtype in HIGH_PRECISION,
+            f"mixture_of_experts (FP8): router_weights are {router_weights.dtype}",
+        )
+    else:
+        _require(
+            d_scale_hidden_states is None and d_scale_intermediate_hidden_states is None,
+            "mixture_of_experts: activation scales without weight scales",
+        )
+        # Fact: router weights have the activations' dtype.
+        _require(
+            router_weights.dtype == hidden_states.dtype,
+            f"mixture_of_experts: router_weights {router_weights.dtype} vs hidden_states "
+            f"{hidden_states.dtype}",
+        )
     _require(activation in MOE_ACTIVATIONS, f"mixture_of_experts: activation {activation!r}")
     local = experts_max - experts_min + 1
     _require(
@@ -237,16 +338,55 @@ def mixture_of_experts(
         f"mixture_of_experts: {len(w12)}/{len(w3)} weights for experts "
         f"{experts_min}..{experts_max}",
     )
+
+    def expert_weight(w: torch.Tensor, scales: list[torch.Tensor] | None, e: int, what: str):
+        # Weights as [out, in] in float32, dequantized in the FP8 form: a weight scale is per
+        # tensor (one element) or one per output channel (1-D, as Intel squeezes its [out, 1]).
+        out_in = w.float() if permuted_weights else w.float().t()
+        if scales is None:
+            return out_in
+        _require(w.dtype in FP8_TYPES, f"mixture_of_experts (FP8): {what} is {w.dtype}")
+        _require(len(scales) == local, f"mixture_of_experts (FP8): {len(scales)} {what} scales")
+        s = scales[e]
+        if s.numel() == 1:
+            return out_in * s.reshape(()).float()
+        _require(
+            s.dim() == 1 and s.shape[0] == out_in.shape[0],
+            f"mixture_of_experts (FP8): {what} scale {tuple(s.shape)} for an expert weight with "
+            f"{out_in.shape[0]} output channels",
+        )
+        return out_in * s.float().unsqueeze(1)
+
     x = hidden_states.float()
-    out = torch.zeros_like(x)
+    if fp8:
+        s = _scale_over(d_scale_hidden_states, tuple(hidden_states.shape), "mixture_of_experts")
+        _require(
+            s.dim() == 0 or tuple(s.shape) == (hidden_states.shape[0], 1),
+            f"mixture_of_experts (FP8): d_scale_hidden_states {tuple(s.shape)}; per tensor or "
+            "per token [M, 1]",
+        )
+        x = x * s
+        # The kernel computes in the model's precision (router weights' dtype).
+        x = x.to(router_weights.dtype).float()
+    if d_scale_intermediate_hidden_states is not None:
+        _require(
+            len(d_scale_intermediate_hidden_states) == local
+            and all(t.numel() == 1 for t in d_scale_intermediate_hidden_states),
+            "mixture_of_experts (FP8): one 1-element intermediate scale per expert",
+        )
+    fp8_type = hidden_states.dtype if fp8 else None
+    out = torch.zeros(x.shape, dtype=torch.float32)
     for slot in range(expert_routing_table.shape[1]):
         ids = expert_routing_table[:, slot]
         for e in range(local):
             rows = (ids == experts_min + e).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
-            up = w12[e].float() if permuted_weights else w12[e].float().t()
-            down = w3[e].float() if permuted_weights else w3[e].float().t()
+            up = expert_weight(w12[e], d_scale_w12, e, "w12")
+            down = expert_weight(w3[e], d_scale_w3, e, "w3")
+            if fp8:
+                up = up.to(router_weights.dtype).float()
+                down = down.to(router_weights.dtype).float()
             gate, lin = (x[rows] @ up.t()).chunk(2, dim=-1)
             if activation == "silu":
                 act = F.silu(gate)
@@ -254,6 +394,17 @@ def mixture_of_experts(
                 act = F.gelu(gate, approximate="tanh")
             else:
                 act = F.relu(gate)
-            y = (act * lin) @ down.t()
+            h = act * lin
+            if fp8_type is not None:
+                # The FP8 form quantizes the intermediate for the second matmul: with its
+                # expert's static scale, or per token from the values (dynamic).
+                h = h.to(router_weights.dtype).float()
+                if d_scale_intermediate_hidden_states is not None:
+                    sc = d_scale_intermediate_hidden_states[e].reshape(()).float()
+                else:
+                    sc = (h.abs().amax(dim=-1, keepdim=True) / fp8_limit(fp8_type)).clamp(min=1e-12)
+                limit = fp8_limit(fp8_type)
+                h = (h / sc).clamp(-limit, limit).to(fp8_type).float() * sc
+            y = h @ down.t()
             out[rows] += y * router_weights[rows, slot].float().unsqueeze(-1)
-    return out.to(hidden_states.dtype)
+    return out.to(router_weights.dtype if fp8 else hidden_states.dtype)

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
+
 logger = init_logger(f"vllm.{__name__}")
 
 # Graph breaks that cannot be avoided, by (file name suffix, function name): why. Empty: every
@@ -99,8 +101,14 @@ class CompileStats:
     )
     compile_seconds: float = 0.0
     recompiled_buckets: list[str] = field(default_factory=list)
-    # Graphs compiled per bucket (and packed-prefill variant) over the engine's life.
+    # Graphs compiled per bucket (and packed-prefill variant) over the engine's life; a draft
+    # head's labels start with "draft ".
     by_bucket: dict[str, int] = field(default_factory=dict)
+    # "warmup" until the runner's warmup ends, then "serving" (shared by every compiled model of
+    # the runner: the target and a draft head).
+    phase: str = "warmup"
+    # Compiled passes run while serving, per model ("model", or "draft" for a draft head).
+    serving_passes: dict[str, int] = field(default_factory=dict)
 
     @property
     def recompiles(self) -> int:
@@ -118,6 +126,7 @@ class CompileStats:
             "recompiled_buckets": list(self.recompiled_buckets),
             "compile_seconds": self.compile_seconds,
             "compiles_by_bucket": dict(self.by_bucket),
+            "compiled_serving_passes": dict(self.serving_passes),
         }
 
 
@@ -158,7 +167,9 @@ def _module_locator(model: torch.nn.Module) -> Callable[[str, int], str]:
 
 
 class CompiledModel:
-    """The model's forward pass through torch.compile, with its compile accounting."""
+    """A model's forward pass through torch.compile, with its compile accounting. The runner has
+    one for the target model and one for an EAGLE-style draft head (`label_prefix` "draft "),
+    sharing one `CompileStats`."""
 
     def __init__(
         self,
@@ -167,14 +178,16 @@ class CompiledModel:
         *,
         strict: bool,
         publish: Callable[[dict[str, int], dict[str, int]], None] | None = None,
+        stats: CompileStats | None = None,
+        label_prefix: str = "",
     ) -> None:
         import torch._dynamo
 
         self.model = model
         self.backend_name = backend
         self.strict = strict
-        self.stats = CompileStats()
-        self.phase = "warmup"
+        self.stats = stats if stats is not None else CompileStats()
+        self.label_prefix = label_prefix
         self.current_bucket = ""
         self._publish = publish  # the serving metrics' set_compile
         self._locate = _module_locator(model)
@@ -188,14 +201,44 @@ class CompiledModel:
         inner = lookup_backend(backend)
 
         def counting_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            self.stats.graphs[self.phase] += 1
+            stats = self.stats
+            stats.graphs[stats.phase] += 1
             label = self.current_bucket
-            self.stats.by_bucket[label] = self.stats.by_bucket.get(label, 0) + 1
-            if self.phase == "serving" and self.current_bucket:
-                self.stats.recompiled_buckets.append(self.current_bucket)
+            stats.by_bucket[label] = stats.by_bucket.get(label, 0) + 1
+            if stats.phase == "serving" and self.current_bucket:
+                stats.recompiled_buckets.append(self.current_bucket)
             return inner(gm, example_inputs)
 
         self._compiled = torch.compile(model, backend=counting_backend, dynamic=False)
+
+    @property
+    def phase(self) -> str:
+        return self.stats.phase
+
+    def run(self, context: Any, **kwargs: Any) -> Any:
+        """One forward pass in vLLM's forward context `context`, the pass reading bucket-shaped
+        attention metadata (`bucket_shaped`) and no per-layer slot mappings: this platform's
+        backend writes the cache from its own metadata, and a traced read of vLLM's slot
+        mappings (real tokens only) would guard on their length."""
+        step_md = context.attn_metadata
+        if isinstance(step_md, dict):
+            shaped: dict[int, Any] = {}
+            for md in step_md.values():
+                if isinstance(md, HPUAttentionMetadata) and id(md) not in shaped:
+                    shaped[id(md)] = bucket_shaped(md)
+            context.attn_metadata = {name: shaped.get(id(md), md) for name, md in step_md.items()}
+        step_slots = context.slot_mapping
+        context.slot_mapping = {}
+        self.current_bucket = self.label_prefix + bucket_label(context.attn_metadata)
+        stats = self.stats
+        if stats.phase == "serving":
+            which = self.label_prefix.strip() or "model"
+            stats.serving_passes[which] = stats.serving_passes.get(which, 0) + 1
+        try:
+            return self(**kwargs)
+        finally:
+            context.attn_metadata = step_md
+            context.slot_mapping = step_slots
 
     def __call__(self, **kwargs: Any) -> Any:
         import time
@@ -242,8 +285,8 @@ class CompiledModel:
             logger.warning(message)
 
     def warmup_done(self) -> None:
-        self.phase = "serving"
         stats = self.stats
+        stats.phase = "serving"
         logger.info(
             "torch.compile (%s): %d graphs in warmup (%.2f s), %d graph breaks",
             self.backend_name,

@@ -246,6 +246,8 @@ class HPUModelRunner(GPUModelRunner):
         self.linears_on_seam = self._route_linears_through_seam()
         # torch.compile (eager mode, PT_HPU_LAZY_MODE=0): the forward pass compiled per bucket.
         self.compiled_model: compiled.CompiledModel | None = None
+        # Diagnostics (the worker's set_compiled_forward): False runs the passes op by op.
+        self.compiled_forward_on = True
         if compile_wanted(self.vllm_config):
             self.compiled_model = compiled.CompiledModel(
                 self.model,
@@ -253,6 +255,18 @@ class HPUModelRunner(GPUModelRunner):
                 strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
                 publish=self.step_metrics.set_compile,
             )
+            if self.draft_bucketing is not None:
+                # The draft head's passes compile per bucket too, counted in the same stats.
+                self.draft_bucketing.compile(
+                    compiled.CompiledModel(
+                        self.drafter.model,
+                        self.seam.COMPILE_BACKEND,
+                        strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
+                        publish=self.step_metrics.set_compile,
+                        stats=self.compiled_model.stats,
+                        label_prefix="draft ",
+                    )
+                )
         # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
         # the same attention branch as one sequence per row, so one graph serves both.
         layers = self.vllm_config.compilation_config.static_forward_context.values()
@@ -485,28 +499,9 @@ class HPUModelRunner(GPUModelRunner):
     def _run_model(self, **kwargs: Any) -> Any:
         """One forward pass without an HPU graph: through torch.compile when it is on (with
         bucket-shaped attention metadata, see compiled.py), else eagerly."""
-        if self.compiled_model is None:
+        if self.compiled_model is None or not self.compiled_forward_on:
             return self.model(**kwargs)
-        context = get_forward_context()
-        step_md = context.attn_metadata
-        if isinstance(step_md, dict):
-            shaped: dict[int, Any] = {}
-            for md in step_md.values():
-                if isinstance(md, HPUAttentionMetadata) and id(md) not in shaped:
-                    shaped[id(md)] = compiled.bucket_shaped(md)
-            context.attn_metadata = {  # type: ignore[assignment]
-                name: shaped.get(id(md), md) for name, md in step_md.items()
-            }
-        # vLLM's per-layer slot mappings (real tokens only): this backend writes the cache from
-        # its own bucket-shaped metadata, and a traced read of them would guard on their length.
-        step_slots = context.slot_mapping
-        context.slot_mapping = {}
-        self.compiled_model.current_bucket = compiled.bucket_label(context.attn_metadata)
-        try:
-            return self.compiled_model(**kwargs)
-        finally:
-            context.attn_metadata = step_md
-            context.slot_mapping = step_slots
+        return self.compiled_model.run(get_forward_context(), **kwargs)
 
     def _graph_forward(
         self,

@@ -130,6 +130,8 @@ def with_verify_buckets(plan: BucketPlan, buckets: tuple[Bucket, ...]) -> Bucket
 # each pass runs on a bucket of the target's plan: the first pass on the target step's own bucket,
 # the others on the decode bucket of the batch. Warmup runs the head on every bucket of the plan
 # (`warm`), and every drafting pass is checked against the warmed set like a target step.
+# Under torch.compile the head's passes are compiled per bucket like the target's (`compile`):
+# the proposer's `model` becomes a `CompiledDraftHead`.
 
 
 class DraftBucketing:
@@ -224,6 +226,11 @@ class DraftBucketing:
         self._first_seq_lens = seq_lens
         return layout
 
+    def compile(self, compiled_model: Any) -> None:
+        """Run the head's drafting and warmup passes through `compiled_model` (a
+        compiled.CompiledModel of the head)."""
+        self.drafter.model = CompiledDraftHead(self.drafter.model, compiled_model, self)
+
     # -- warmup
     def warm(self, attn_metadata: dict[str, Any], total: int) -> None:
         """Run the head once on a bucket whose target pass just ran (same metadata, so the
@@ -244,7 +251,42 @@ class DraftBucketing:
             num_tokens=total,
             cudagraph_runtime_mode=CUDAGraphMode.NONE,
         ):
-            drafter.model(**kwargs)
+            self.active = True
+            try:
+                drafter.model(**kwargs)
+            finally:
+                self.active = False
+
+
+class CompiledDraftHead:
+    """The proposer's draft head with its forward passes through torch.compile: a pass on one of
+    the runner's buckets (drafting, or warmup) runs the compiled head with bucket-shaped metadata;
+    any other call (vLLM's profiling dummy run) runs it eagerly. Everything else the proposer
+    reads of its model (compute_logits, combine_hidden_states, its submodules) is the head's, and
+    it passes for the head's class (vLLM's EAGLE-3 proposer checks the head's type)."""
+
+    def __init__(self, head: Any, compiled_model: Any, bucketing: DraftBucketing) -> None:
+        self.__dict__.update(_head=head, _compiled=compiled_model, _bucketing=bucketing)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if not self._bucketing.active or not self._bucketing.runner.compiled_forward_on:
+            return self._head(**kwargs)
+        from vllm.forward_context import get_forward_context
+
+        return self._compiled.run(get_forward_context(), **kwargs)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(proxy, HeadClass) is True
+        return type(self._head)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._head, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._head, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(self._head, name)
 
 
 def draft_bucketing(runner: Any) -> DraftBucketing | None:

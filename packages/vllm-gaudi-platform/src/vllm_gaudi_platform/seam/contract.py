@@ -130,6 +130,25 @@ class HpuBackend(Protocol):
         experts_max: int,
     ) -> torch.Tensor: ...
 
+    # W8A8: FP8 hidden states and expert weights, with their dequantization scales (see
+    # emulated_moe.mixture_of_experts_fp8); the result has router_weights' dtype.
+    def mixture_of_experts_fp8(
+        self,
+        hidden_states: torch.Tensor,
+        expert_routing_table: torch.Tensor,
+        router_weights: torch.Tensor,
+        w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        d_scale_hidden_states: torch.Tensor,
+        d_scale_intermediate_hidden_states: list[torch.Tensor] | None,
+        d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        permuted_weights: bool,
+        activation: str,
+        experts_min: int,
+        experts_max: int,
+    ) -> torch.Tensor: ...
+
     # ------------------------------------------------------------------ KV block copies
     def copy_blocks(
         self,

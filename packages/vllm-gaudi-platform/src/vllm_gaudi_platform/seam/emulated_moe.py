@@ -6,12 +6,18 @@ Gaudi kernel of the same name wrapped in `gaudi.py`, whose semantics the docstri
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from vllm_gaudi_platform.seam.emulated_graph import kernel
+from vllm_gaudi_platform.seam.emulated_quant import (
+    _broadcast_scale,
+    cast_from_fp8,
+    cast_to_fp8_v2,
+    fp8_max,
+)
 
 MOE_ACTIVATIONS: tuple[str, ...] = (
     "silu",
@@ -43,6 +49,33 @@ def mixture_of_experts(
     `activation` is "silu" or "gelu" (Gaudi's gelu is the tanh approximation). Per-expert sums
     accumulate in float32; the result has hidden_states' dtype.
     """
+    return _moe(
+        hidden_states,
+        expert_routing_table,
+        router_weights,
+        w12,
+        w3,
+        permuted_weights,
+        activation,
+        experts_min,
+        experts_max,
+    )
+
+
+def _moe(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+    intermediate: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The kernel's computation; `intermediate(h, expert)` (FP8 variant) maps each expert's
+    act(gate) * up before the down projection."""
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"mixture_of_experts: activation {activation!r} not in {MOE_ACTIVATIONS}")
     num_local = experts_max - experts_min + 1
@@ -68,6 +101,7 @@ def mixture_of_experts(
             permuted_weights,
             activation,
             num_local,
+            intermediate,
         )
     counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
     order = torch.argsort(local, stable=True)[: sum(counts)]
@@ -88,7 +122,8 @@ def mixture_of_experts(
         gate_up = x[span] @ (up_w.t() if permuted_weights else up_w)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-        torch.mm(act * up, down_w.t() if permuted_weights else down_w, out=y[span])
+        h = act * up if intermediate is None else intermediate(act * up, expert)
+        torch.mm(h, down_w.t() if permuted_weights else down_w, out=y[span])
     weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, rows, y.float() * weights)
@@ -104,6 +139,7 @@ def _dense_experts(
     permuted_weights: bool,
     activation: str,
     num_local: int,
+    intermediate: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`mixture_of_experts` with static shapes: each expert's output for every token, times the
     token's routing weight for it ([tokens, topk] local ids; id num_local: another rank's)."""
@@ -116,6 +152,100 @@ def _dense_experts(
         gate_up = hidden_states @ (up_w.t() if permuted_weights else up_w)
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-        y = (act * up) @ (down_w.t() if permuted_weights else down_w)
+        h = act * up if intermediate is None else intermediate(act * up, expert)
+        y = h @ (down_w.t() if permuted_weights else down_w)
         out += y.float() * weights[:, expert : expert + 1]
     return out.to(hidden_states.dtype)
+
+
+@kernel
+def mixture_of_experts_fp8(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_hidden_states: torch.Tensor,
+    d_scale_intermediate_hidden_states: list[torch.Tensor] | None,
+    d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    """Gaudi's FP8 overload of mixture_of_experts (W8A8): FP8 activations and FP8 expert weights.
+
+    `hidden_states` FP8 [tokens, hidden] with its dequantization scale `d_scale_hidden_states`
+    (0-d per tensor, or [tokens, 1] per token); `w12` / `w3` FP8 expert weights as in
+    `mixture_of_experts`, with `d_scale_w12` / `d_scale_w3` per local expert: 0-d (per tensor)
+    or 1-D with one scale per output row of the [out, in] weight. Each expert's intermediate
+    act(gate) * up is quantized to FP8 before the down projection: with its expert's static
+    scale (`d_scale_intermediate_hidden_states`, 0-d per expert) or, when that is None, with one
+    scale per token (its largest magnitude over the FP8 maximum). Products accumulate in float32;
+    the result has router_weights' dtype (the model's)."""
+    if not hidden_states.dtype.is_floating_point or hidden_states.element_size() != 1:
+        raise ValueError(
+            f"mixture_of_experts (FP8): hidden_states are {hidden_states.dtype}, not FP8"
+        )
+    num_local = experts_max - experts_min + 1
+    lists = {"d_scale_w12": d_scale_w12, "d_scale_w3": d_scale_w3}
+    if d_scale_intermediate_hidden_states is not None:
+        lists["d_scale_intermediate_hidden_states"] = d_scale_intermediate_hidden_states
+    for name, scales in lists.items():
+        if len(scales) != num_local:
+            raise ValueError(
+                f"mixture_of_experts (FP8): {len(scales)} {name} for experts "
+                f"{experts_min}..{experts_max}"
+            )
+    out_dtype = router_weights.dtype
+    x = cast_from_fp8(hidden_states, d_scale_hidden_states, torch.float32).to(out_dtype)
+
+    def weight(w: torch.Tensor, scale: torch.Tensor, what: str) -> torch.Tensor:
+        if w.element_size() != 1:
+            raise ValueError(f"mixture_of_experts (FP8): {what} is {w.dtype}, not FP8")
+        rows = w.shape[0] if permuted_weights else w.shape[1]
+        if scale.numel() == 1:
+            s = scale.reshape(()).float()
+        elif scale.dim() == 1 and scale.shape[0] == rows:
+            # One scale per output row of the [out, in] weight (per column when transposed).
+            s = scale.float().reshape(-1, 1) if permuted_weights else scale.float()
+        else:
+            raise ValueError(
+                f"mixture_of_experts (FP8): {what} scale of shape {tuple(scale.shape)}; expected "
+                f"0-d or [{rows}] (one per output row)"
+            )
+        return (w.float() * s).to(out_dtype)
+
+    up = [weight(w, s, "w12") for w, s in zip(w12, d_scale_w12)]
+    down = [weight(w, s, "w3") for w, s in zip(w3, d_scale_w3)]
+    static = d_scale_intermediate_hidden_states
+
+    def quantize(h: torch.Tensor, expert: int) -> torch.Tensor:
+        if static is not None:
+            scale = static[expert]
+            if scale.numel() != 1:
+                raise ValueError(
+                    "mixture_of_experts (FP8): an intermediate scale per expert is 0-d, not "
+                    f"{tuple(scale.shape)}"
+                )
+            scale = scale.reshape(()).float()
+        else:
+            amax = h.abs().amax(dim=-1, keepdim=True).float()
+            scale = (amax / fp8_max(hidden_states.dtype)).clamp(min=1e-12)
+        hq, _ = cast_to_fp8_v2(h, 1.0 / scale, False, False, hidden_states.dtype)
+        return cast_from_fp8(hq, scale, torch.float32).to(h.dtype)
+
+    _broadcast_scale(d_scale_hidden_states, hidden_states.shape, "mixture_of_experts (FP8)")
+    return _moe(
+        x,
+        expert_routing_table,
+        router_weights,
+        up,
+        down,
+        permuted_weights,
+        activation,
+        experts_min,
+        experts_max,
+        intermediate=quantize,
+    )

@@ -279,6 +279,45 @@ def mixture_of_experts(
     )
 
 
+def mixture_of_experts_fp8(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_hidden_states: torch.Tensor,
+    d_scale_intermediate_hidden_states: list[torch.Tensor] | None,
+    d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    permuted_weights: bool,
+    activation: str,
+    experts_min: int,
+    experts_max: int,
+) -> torch.Tensor:
+    # The FP8 overload of the same op, picked by its scale arguments; without intermediate
+    # scales the kernel scales the intermediate activations itself.
+    intermediate = (
+        {}
+        if d_scale_intermediate_hidden_states is None
+        else {"d_scale_intermediate_hidden_states": list(d_scale_intermediate_hidden_states)}
+    )
+    return torch.ops.hpu.mixture_of_experts(
+        hidden_states=hidden_states,
+        expert_routing_table=expert_routing_table.to(torch.int64),
+        router_weights=router_weights,
+        w12=list(w12),
+        w3=list(w3),
+        d_scale_hidden_states=d_scale_hidden_states,
+        d_scale_w12=list(d_scale_w12),
+        d_scale_w3=list(d_scale_w3),
+        permuted_weights=permuted_weights,
+        activation=activation,
+        experts_min=experts_min,
+        experts_max=experts_max,
+        **intermediate,
+    )
+
+
 # ----------------------------------------------------------------------------- KV block copies
 def copy_blocks(
     src: torch.Tensor,

@@ -1,21 +1,27 @@
 """FP8 mixture of experts on HPU: `HpuFp8MoEMethod` and vLLM's plain top-k routing.
 
-Mixture of experts: expert weights stay FP8 [E, out, in] with their checkpoint scales (one per
-output row, or the block scales as loaded); each call dequantizes the local experts (per row with
-`cast_from_fp8`, per block tile by tile) and runs the bf16 `mixture_of_experts` kernel (W8A16:
-activation scales of MoE layers are not applied). Block-scaled experts are therefore not
-requantized: they compute with exactly the checkpoint's weights. This keeps the FP8 memory
-footprint but not the FP8 compute; Gaudi's `mixture_of_experts.fp8_fused_weights*` overloads are
-the faster path left for later. compressed-tensors W8A8-FP8 experts (per-tensor or per-channel
+Expert weights stay FP8 [E, out, in] with their checkpoint scales. Per-tensor and per-channel
+experts run W8A8 on Gaudi's FP8 `mixture_of_experts` overload (the seam's
+`mixture_of_experts_fp8`): the tokens are cast to FP8 with the checkpoint's static input scale
+(the largest of the layer's experts, as the kernel takes one scale for all of them) or one scale
+per token (dynamic), and each expert's intermediate activations with its own static
+`w2_input_scale`, or per token inside the kernel (dynamic). Per-tensor weight scales are spread
+over the output rows: the kernel takes one scale per output channel.
+
+Block-scaled experts (`weight_block_size`) run W8A16: the kernel takes no block scales, so each
+call dequantizes the local experts tile by tile (exactly the checkpoint's weights) for the bf16
+kernel; this is logged once. compressed-tensors W8A8-FP8 experts (per-tensor or per-channel
 `weight_scale`) run through the same `HpuFp8MoEMethod`.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch.nn import Parameter
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
@@ -23,7 +29,13 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
 from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_quant.methods.fp8_checkpoint import NAME, _device_range_factor, _wrap_weight_loader
-from vllm_gaudi_quant.methods.fp8_linear import FP8_DTYPE, dequantize_blocks
+from vllm_gaudi_quant.methods.fp8_linear import (
+    FP8_DTYPE,
+    dequantize_blocks,
+    quantize_activations,
+)
+
+logger = init_logger(f"vllm.{__name__}")
 
 _KERNEL_ACTIVATIONS = {MoEActivation.SILU: "silu", MoEActivation.GELU_TANH: "gelu"}
 
@@ -51,8 +63,8 @@ def route_topk(
 
 
 class HpuFp8MoEMethod(FusedMoEMethodBase):
-    """FP8 experts: FP8 storage with per-row or block scales, dequantized per call for the bf16
-    kernel.
+    """FP8 experts: W8A8 on the FP8 kernel with per-row weight scales, W8A16 with block scales
+    (see the module docstring).
 
     The checkpoint's weight scales are `block` scales (`w*_weight_scale_inv`), or `w*_weight_scale`
     per tensor (one per expert and gate/up shard, vLLM's `fp8` format and compressed-tensors'
@@ -156,13 +168,13 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             set_weight_attrs(
                 param, {**extra_weight_attrs, "quant_method": kind, "weight_loader": scale_loader}
             )
-        # Static activation scales load (checkpoints carry them) but the bf16 kernel does not
-        # use them: see the module docstring.
+        # Static activation scales, one per expert (brought into the device's FP8 range like the
+        # weight scales). Block-scaled experts run W8A16 and do not read them.
         if self.static_input:
             for name in ("w13_input_scale", "w2_input_scale"):
                 param = Parameter(torch.ones(num_experts), requires_grad=False)
                 layer.register_parameter(name, param)
-                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": weight_loader})
+                set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": scale_loader})
 
     def process_weights_after_loading(self, layer: Any) -> None:
         if self.block is not None:
@@ -184,19 +196,12 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         layer.w2_weight_scale = Parameter(w2_scale.float(), requires_grad=False)
 
     def _dequantized(self, layer: Any, name: str, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The local experts' `name` weights ("w13" or "w2") as float `dtype`, one per expert."""
+        """The local block-scaled experts' `name` weights ("w13" or "w2") as float `dtype`, one
+        per expert."""
         weight = getattr(layer, f"{name}_weight")
-        if self.block is not None:
-            scale = getattr(layer, f"{name}_weight_scale_inv")
-            return list(dequantize_blocks(weight, scale, self.block).to(dtype).unbind(0))
-        kernels = backend()
-        scale = getattr(layer, f"{name}_weight_scale")
-        # One scale per output row of each expert's [rows, cols] weight: a [rows, 1] column, since
-        # cast_from_fp8 applies a 1-D scale along the last axis (per column).
-        return [
-            kernels.cast_from_fp8(w, s.reshape(-1, 1) if s.numel() > 1 else s, dtype)
-            for w, s in zip(weight.unbind(0), scale.unbind(0))
-        ]
+        scale = getattr(layer, f"{name}_weight_scale_inv")
+        assert self.block is not None
+        return list(dequantize_blocks(weight, scale, self.block).to(dtype).unbind(0))
 
     def apply_monolithic(
         self,
@@ -208,23 +213,59 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         weights, ids = route_topk(layer, x, router_logits)
         capture_routed_experts(layer, ids)
         dtype = x.dtype
-        w13 = self._dequantized(layer, "w13", dtype)
-        w2 = self._dequantized(layer, "w2", dtype)
         first = layer.moe_config.ep_rank * layer.local_num_experts
-        return backend().mixture_of_experts(
-            x,
+        last = first + layer.local_num_experts - 1
+        kernels = backend()
+        if self.block is not None:
+            _log_w8a16_once(self.label, self.block)
+            return kernels.mixture_of_experts(
+                x,
+                ids,
+                weights.to(dtype),
+                self._dequantized(layer, "w13", dtype),
+                self._dequantized(layer, "w2", dtype),
+                True,
+                self.kernel_activation,
+                first,
+                last,
+            )
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.static_input:
+            # The kernel takes one input scale for all experts: the layer's largest.
+            xq, x_scale = quantize_activations(x2, layer.w13_input_scale.max())
+            intermediate = list(layer.w2_input_scale.data.unbind(0))
+        else:
+            xq, x_scale = quantize_activations(x2, None)
+            intermediate = None
+        return kernels.mixture_of_experts_fp8(
+            xq,
             ids,
             weights.to(dtype),
-            w13,
-            w2,
+            list(layer.w13_weight.data.unbind(0)),
+            list(layer.w2_weight.data.unbind(0)),
+            x_scale,
+            intermediate,
+            list(layer.w13_weight_scale.data.unbind(0)),
+            list(layer.w2_weight_scale.data.unbind(0)),
             True,
             self.kernel_activation,
             first,
-            first + layer.local_num_experts - 1,
-        )
+            last,
+        ).reshape(x.shape)
 
     def apply(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError("HpuFp8MoEMethod is monolithic: vLLM calls apply_monolithic")
+
+
+@functools.cache
+def _log_w8a16_once(label: str, block: tuple[int, int]) -> None:
+    logger.info(
+        "%s MoE: block-scaled experts (weight_block_size %s) run W8A16 on HPU: Gaudi's FP8 "
+        "mixture_of_experts kernel takes per-tensor or per-channel weight scales only, so each "
+        "call dequantizes the experts for the bf16 kernel.",
+        label,
+        list(block),
+    )
 
 
 def _moe_scale_loader(weight_loader):
