@@ -9,10 +9,15 @@ Per method, on the linears of one decoder layer of a 7B-class model (q/k/v/o, ga
   natively. Absolute times are machine noise; read the ratios;
 - error: the output's relative norm error against the bf16 linear on the original weights.
 
+And for FP8 mixture of experts (`--moe`, a Mixtral-shaped layer scaled down: 8 experts, top-2):
+the bytes of expert weights and scales the MoE method hands the seam's MoE kernel per forward,
+over the bf16 experts' bytes, recorded at the kernel call: W8A8 on the FP8 kernel (per-tensor
+static scales) against W8A16 (block-scaled experts, dequantized per call).
+
 Adding a method: write `build_<method>(weight) -> Built` (weight is a bf16 [N, K] torch Linear
 weight) and add it to METHODS with its byte target.
 
-    python benchmarks/quant.py [--repeats N] [--tokens T ...] [--methods NAME ...]
+    python benchmarks/quant.py [--repeats N] [--tokens T ...] [--methods NAME ...] [--moe]
 
 Accuracy of whole quantized checkpoints (held-out perplexity of the trained tiny Llama, quantized
 over float, per format): benchmarks/quant_perplexity.py.
@@ -210,6 +215,116 @@ METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
 }
 
 
+# ----------------------------------------------------------------------------- FP8 MoE
+MOE_SHAPE = {"experts": 8, "top_k": 2, "hidden": 1024, "inter": 3584}  # Mixtral's ratios / 4
+
+
+def moe_kernel_bytes(block: tuple[int, int] | None) -> tuple[int, int, str]:
+    """(bytes of expert weights and scales passed to the seam's MoE kernel in one forward, the
+    bf16 experts' bytes, the kernel's name) for vLLM's `fp8` format through HpuFp8MoEMethod."""
+    import socket
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    from vllm_gaudi_platform.seam import backend
+    from vllm_gaudi_quant.methods.fp8 import CHECKPOINT_FP8_MAX, FP8_DTYPE, HpuFp8Config
+
+    e, k, h, n = (MOE_SHAPE[key] for key in ("experts", "top_k", "hidden", "inter"))
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic" if block else "static"}
+    if block:
+        config["weight_block_size"] = list(block)
+    recorded: dict[str, int] = {}
+    kernels = backend()
+
+    def recording(name: str):
+        inner = getattr(kernels, name)
+
+        def call(*args):
+            tensors = [t for a in args if isinstance(a, list) for t in a]
+            recorded[name] = sum(t.numel() * t.element_size() for t in tensors)
+            return inner(*args)
+
+        return inner, call
+
+    with set_current_vllm_config(VllmConfig()):
+        if not model_parallel_is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                backend="gloo",
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+            )
+            initialize_model_parallel(1, 1)
+        layer = FusedMoEFactory(
+            num_experts=e,
+            top_k=k,
+            hidden_size=h,
+            intermediate_size=n,
+            params_dtype=torch.bfloat16,
+            renormalize=True,
+            quant_config=HpuFp8Config.from_config(config),
+            prefix=f"model.layers.{0 if block else 1}.block_sparse_moe.experts",
+            ckpt_names=("w1", "w2", "w3"),
+        ).routed_experts
+        tensors = []
+        for expert in range(e):
+            for proj, (rows, cols) in (("w1", (n, h)), ("w3", (n, h)), ("w2", (h, n))):
+                w = _weight(rows, cols, 31 * expert + len(proj) + ord(proj[1])).float()
+                if block:
+                    bn, bk = block
+                    tiles = w.reshape(rows // bn, bn, cols // bk, bk).abs().amax(dim=(1, 3))
+                    scale = tiles / CHECKPOINT_FP8_MAX
+                    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+                    tensors += [(f"{expert}.{proj}.weight_scale_inv", scale)]
+                else:
+                    scale = w.abs().max() / CHECKPOINT_FP8_MAX
+                    full = scale
+                    tensors += [
+                        (f"{expert}.{proj}.weight_scale", scale.reshape(())),
+                        (f"{expert}.{proj}.input_scale", torch.tensor(4.0 / CHECKPOINT_FP8_MAX)),
+                    ]
+                tensors += [(f"{expert}.{proj}.weight", (w / full).to(FP8_DTYPE))]
+        layer.load_weights(tensors)
+        layer.quant_method.process_weights_after_loading(layer)
+        names = ("mixture_of_experts", "mixture_of_experts_fp8")
+        saved = {}
+        for name in names:
+            saved[name], call = recording(name)
+            setattr(kernels, name, call)
+        try:
+            x = torch.randn(4, h).to(torch.bfloat16)
+            with torch.no_grad():
+                layer.quant_method.apply_monolithic(layer, x, torch.randn(4, e))
+        finally:
+            for name in names:
+                setattr(kernels, name, saved[name])
+    ((kernel, passed),) = recorded.items()
+    return passed, e * 3 * h * n * 2, kernel
+
+
+def moe_rows() -> None:
+    print(
+        f"\nFP8 MoE, {MOE_SHAPE['experts']} experts top-{MOE_SHAPE['top_k']}, hidden "
+        f"{MOE_SHAPE['hidden']}, intermediate {MOE_SHAPE['inter']}: expert bytes the kernel reads"
+    )
+    header = f"{'experts':34} {'kernel':24} {'bytes/bf16':>10}"
+    print(header)
+    print("-" * len(header))
+    for label, block in (
+        ("fp8 per-tensor, static act (W8A8)", None),
+        ("fp8 block 128x128 (W8A16)", (128, 128)),
+    ):
+        passed, bf16, kernel = moe_kernel_bytes(block)
+        print(f"{label:34} {kernel:24} {passed / bf16:>9.3f}x")
+
+
 # ----------------------------------------------------------------------------- measuring
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -233,9 +348,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8, 128])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--moe", action="store_true", help="only the FP8 MoE bytes rows")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_HPU_EMULATION", "cpu")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args.moe:
+        moe_rows()
+        return
 
     weights = {name: _weight(n, k, i) for i, (name, n, k) in enumerate(LAYER)}
     bf16_bytes = sum(w.numel() * w.element_size() for w in weights.values())

@@ -257,6 +257,82 @@ def test_mixture_of_experts_matches_the_emulation(
     torch.testing.assert_close(_host(out), expected, **TOLERANCE[dtype])
 
 
+def _fp8_moe_inputs(dtype, static, per_channel, experts=6, tokens=12, hidden=32, inter=48):
+    """FP8 experts (per-tensor or per-output-row scales), FP8 tokens with their scale (static 0-d
+    or per token [M, 1]) and the static intermediate scales (None: dynamic)."""
+    g = _gen(3)
+    fp8, top = torch.float8_e4m3fn, emulated.fp8_max()
+
+    def quantize(w):
+        amax = w.abs().amax(dim=-1) if per_channel else w.abs().amax()
+        scale = amax / top
+        q = (w / (scale[:, None] if per_channel else scale)).to(fp8)
+        return q, scale.float()
+
+    ups = [quantize(torch.randn(2 * inter, hidden, generator=g) / 10) for _ in range(experts)]
+    downs = [quantize(torch.randn(hidden, inter, generator=g) / 15) for _ in range(experts)]
+    x = torch.randn(tokens, hidden, generator=g)
+    x_scale = x.abs().amax() / top if static else x.abs().amax(-1, keepdim=True) / top
+    xq = (x / x_scale).to(fp8)
+    intermediate = [torch.tensor(0.004 * (1 + e)) for e in range(experts)] if static else None
+    table = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g).to(dtype)
+    return xq, table, weights, ups, downs, x_scale.float(), intermediate
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+def test_fp8_mixture_of_experts_matches_the_emulation(gaudi, dtype, static, per_channel):
+    xq, table, weights, ups, downs, x_scale, inter = _fp8_moe_inputs(dtype, static, per_channel)
+    args = (
+        xq,
+        table,
+        weights,
+        [w for w, _ in ups],
+        [w for w, _ in downs],
+        x_scale,
+        inter,
+        [s for _, s in ups],
+        [s for _, s in downs],
+        True,
+        "silu",
+        0,
+        len(ups) - 1,
+    )
+    out = gaudi.mixture_of_experts_fp8(*args)
+    expected = emulated.mixture_of_experts_fp8(*args)
+    assert out.dtype == expected.dtype == dtype  # the model's dtype, from the router weights
+    torch.testing.assert_close(_host(out), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend_name", ["gaudi", "emulated"])
+def test_fp8_mixture_of_experts_refuses_a_per_token_scale_as_a_vector(gaudi, backend_name):
+    # A per-token hidden-state scale is [M, 1]; a 1-D [M] vector would line up with the hidden
+    # axis (numpy broadcasting), which Gaudi's kernel reads per column.
+    kernels = gaudi if backend_name == "gaudi" else emulated
+    # As many tokens as hidden channels: the vector even broadcasts, and must still be refused.
+    xq, table, weights, ups, downs, x_scale, _ = _fp8_moe_inputs(
+        torch.float32, False, True, tokens=32, hidden=32
+    )
+    with pytest.raises((ValueError, RuntimeError), match="d_scale_hidden_states"):
+        kernels.mixture_of_experts_fp8(
+            xq,
+            table,
+            weights,
+            [w for w, _ in ups],
+            [w for w, _ in downs],
+            x_scale.reshape(-1),
+            None,
+            [s for _, s in ups],
+            [s for _, s in downs],
+            True,
+            "silu",
+            0,
+            len(ups) - 1,
+        )
+
+
 # ----------------------------------------------------------------------------- KV block copies
 class _HostRulesOfGaudiTorch(torch.utils._python_dispatch.TorchDispatchMode):
     """What the torch builds that Gaudi software ships do on the host, for the ops copy_blocks

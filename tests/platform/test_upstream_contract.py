@@ -791,6 +791,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         frozenset(
             {
                 "get_recompile_stats",
+                "set_compiled_forward",
                 "get_sleep_report",
                 "finalize_calibration",
                 "_sleep",
@@ -820,13 +821,24 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_route_linears_through_seam",
                 "_run_model",
                 "_rewindable_generators",
+                "token_side_buffers",
             }
         ),
     ),
     Overriding(
         f"{P}.runner.lora:PunicaWrapperHPU",
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase",
-        frozenset({"_slots", "_sampler_slots", "_shrink", "_expand", "_accumulate", "_record"}),
+        frozenset(
+            {
+                "_slots",
+                "_sampler_slots",
+                "_shrink",
+                "_expand",
+                "_accumulate",
+                "_record",
+                "token_buffers",
+            }
+        ),
     ),
     Overriding(
         f"{P}.attention.metadata:HPUAttentionMetadataBuilder",

@@ -255,18 +255,8 @@ class HPUModelRunner(GPUModelRunner):
                 strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
                 publish=self.step_metrics.set_compile,
             )
-            if self.draft_bucketing is not None:
-                # The draft head's passes compile per bucket too, counted in the same stats.
-                self.draft_bucketing.compile(
-                    compiled.CompiledModel(
-                        self.drafter.model,
-                        self.seam.COMPILE_BACKEND,
-                        strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
-                        publish=self.step_metrics.set_compile,
-                        stats=self.compiled_model.stats,
-                        label_prefix="draft ",
-                    )
-                )
+            if self.draft_bucketing is not None:  # the draft head too, in the same stats
+                self.draft_bucketing.compile(self.compiled_model, self.seam.COMPILE_BACKEND)
         # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
         # the same attention branch as one sequence per row, so one graph serves both.
         layers = self.vllm_config.compilation_config.static_forward_context.values()

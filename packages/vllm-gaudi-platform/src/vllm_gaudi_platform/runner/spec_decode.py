@@ -226,10 +226,21 @@ class DraftBucketing:
         self._first_seq_lens = seq_lens
         return layout
 
-    def compile(self, compiled_model: Any) -> None:
-        """Run the head's drafting and warmup passes through `compiled_model` (a
-        compiled.CompiledModel of the head)."""
-        self.drafter.model = CompiledDraftHead(self.drafter.model, compiled_model, self)
+    def compile(self, target: Any, backend: str) -> None:
+        """Run the head's drafting and warmup passes through torch.compile with `backend`, per
+        bucket like the target (`target`: its compiled.CompiledModel, whose statistics the
+        head's graphs join under labels starting with "draft ")."""
+        from vllm_gaudi_platform.runner.compiled import CompiledModel
+
+        head = CompiledModel(
+            self.drafter.model,
+            backend,
+            strict=target.strict,
+            publish=target._publish,
+            stats=target.stats,
+            label_prefix="draft ",
+        )
+        self.drafter.model = CompiledDraftHead(self.drafter.model, head, self)
 
     # -- warmup
     def warm(self, attn_metadata: dict[str, Any], total: int) -> None:

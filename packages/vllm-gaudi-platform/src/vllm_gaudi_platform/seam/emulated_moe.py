@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from vllm_gaudi_platform.seam.emulated_graph import kernel
 from vllm_gaudi_platform.seam.emulated_quant import (
-    _broadcast_scale,
     cast_from_fp8,
     cast_to_fp8_v2,
     fp8_max,
@@ -199,6 +198,12 @@ def mixture_of_experts_fp8(
                 f"{experts_min}..{experts_max}"
             )
     out_dtype = router_weights.dtype
+    scale_shape = tuple(d_scale_hidden_states.shape)
+    if d_scale_hidden_states.numel() != 1 and scale_shape != (hidden_states.shape[0], 1):
+        raise ValueError(
+            f"mixture_of_experts (FP8): d_scale_hidden_states of shape {scale_shape}; the kernel "
+            f"takes one scale (per tensor) or [{hidden_states.shape[0]}, 1] (per token)"
+        )
     x = cast_from_fp8(hidden_states, d_scale_hidden_states, torch.float32).to(out_dtype)
 
     def weight(w: torch.Tensor, scale: torch.Tensor, what: str) -> torch.Tensor:
@@ -236,7 +241,6 @@ def mixture_of_experts_fp8(
         hq, _ = cast_to_fp8_v2(h, 1.0 / scale, False, False, hidden_states.dtype)
         return cast_from_fp8(hq, scale, torch.float32).to(h.dtype)
 
-    _broadcast_scale(d_scale_hidden_states, hidden_states.shape, "mixture_of_experts (FP8)")
     return _moe(
         x,
         expert_routing_table,

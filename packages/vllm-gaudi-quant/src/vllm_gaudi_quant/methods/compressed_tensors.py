@@ -19,8 +19,8 @@ MoE layers (`HpuWNA16MoE`): experts in the same 4-bit WNA16 scheme load stacked 
 in the W8A8-FP8 scheme (channel or tensor weight scales, static or dynamic activations) carry the
 tensor names of vLLM's `fp8` format (`w13_weight`, `w13_weight_scale` [E, 2] per tensor or
 [E, rows, 1] per channel, `w13_input_scale` [E] when static; w2 alike) and run through
-`methods.fp8.HpuFp8MoEMethod`: W8A16, FP8 weights dequantized per call, activation scales loaded
-but not applied.
+`methods.fp8.HpuFp8MoEMethod`: W8A8 on Gaudi's FP8 mixture_of_experts kernel, with the
+checkpoint's static activation scales or per-token ones.
 
 Any other scheme is refused when the model is built, naming the layer and what runs on HPU (FP8
 experts with block weight scales among them, for now).
@@ -81,7 +81,7 @@ logger = init_logger(f"vllm.{__name__}")
 
 NAME = "compressed-tensors"
 SUPPORTED_MOE = (
-    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations; run W8A16) and "
+    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations) and "
     "4-bit WNA16 pack-quantized (group or channel, symmetric or not)"
 )
 SUPPORTED = (
