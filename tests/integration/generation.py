@@ -171,6 +171,25 @@ def hf_greedy(
     return results
 
 
+# How many prompts in 10 a quantized engine may take off the reference's greedy path (each
+# divergence within vLLM's top-5 rule). Weight-only 4-bit reproduces its dequantized weights
+# exactly in float32, so only near-ties may flip (measured: 0 of 10 for every 4-bit format).
+# FP8 has no such bound on the random tiny models: rounding every activation flips their
+# near-tied logits, and 6 to 10 of 10 prompts diverge (measured for FP8 W8A8 linears, FP8 MoE,
+# INC and an FP8 KV cache); its accuracy is measured on the trained model instead
+# (test_trained_model.py: held-out perplexity over float).
+DIVERGED_PER_10 = {"4-bit": 1}
+
+
+def assert_few_diverged(diverged: int, prompts: int, kind: str, label: str) -> None:
+    """At most DIVERGED_PER_10[kind] of every 10 prompts diverged (`assert_close`'s count)."""
+    allowed = DIVERGED_PER_10[kind] * prompts // 10
+    assert diverged <= allowed, (
+        f"{label}: {diverged} of {prompts} prompts left the reference's greedy path "
+        f"({kind}: at most {allowed})"
+    )
+
+
 def assert_close(ours: list[dict], ref: list[dict], label: str) -> int:
     """vLLM's check_logprobs_close rule: identical greedy tokens, or at the first divergence each
     side's token is in the other's top-5. Returns how many sequences diverged (near-ties)."""

@@ -22,6 +22,7 @@ import pytest
 from tests.integration.generation import (
     ENGINE,
     assert_close,
+    assert_few_diverged,
     hf_greedy,
     make_prompts,
     named_job_outputs,
@@ -151,4 +152,7 @@ def test_kv_cache_scheme_stores_the_kv_cache_in_fp8_with_the_checkpoint_scales(r
 
 def test_generation_follows_the_dequantized_float_model(run):
     name, result, reference, _ = run
-    assert_close(result["results"], reference, name)
+    diverged = assert_close(result["results"], reference, name)
+    print(f"{name}: {diverged} of {len(reference)} prompts diverged")
+    if "fp8" not in name:  # FP8 activations or an FP8 KV cache: see DIVERGED_PER_10
+        assert_few_diverged(diverged, len(reference), "4-bit", name)

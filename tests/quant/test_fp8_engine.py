@@ -97,4 +97,6 @@ def test_every_moe_layer_runs_the_hpu_fp8_moe_method(run):
 
 def test_generation_follows_the_dequantized_float_model(run):
     name, result, reference = run
-    assert_close(result["results"], reference, name)
+    # Within vLLM's top-5 rule; FP8 accuracy itself: test_trained_model.py (DIVERGED_PER_10).
+    diverged = assert_close(result["results"], reference, name)
+    print(f"{name}: {diverged} of {len(reference)} prompts diverged")

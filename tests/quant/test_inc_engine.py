@@ -146,6 +146,7 @@ def test_quantize_config_runs_every_linear_layer_with_fp8_weights(quantized):
 
 
 def test_fp8_generation_follows_the_float_model(quantized, reference):
+    # Within vLLM's top-5 rule; FP8 accuracy itself: test_trained_model.py (DIVERGED_PER_10).
     assert_close(quantized["results"], reference, "INC FP8")
 
 
