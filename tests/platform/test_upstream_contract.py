@@ -560,6 +560,18 @@ UPSTREAM: tuple[Upstream, ...] = (
         "CompressedTensorsConfig._add_fused_moe_to_target_scheme_map",
         "vllm_gaudi_quant compressed-tensors MoE: the Linear target also matches the experts",
     ),
+    Upstream(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsConfig._get_scheme_from_parts",
+        "HpuCompressedTensorsConfig._get_scheme_from_parts picks the HPU schemes (and refuses the "
+        "others by name) with vLLM's arguments",
+        params=("weight_quant", "input_quant", "output_quant", "format", "layer_name"),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsConfig._check_scheme_supported",
+        "HpuCompressedTensorsConfig._check_scheme_supported (no CUDA capability check on HPU)",
+    ),
     # --- connectors wheel (nixl.py: HpuNixlConnector) -------------------------------------------
     Upstream(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
@@ -855,6 +867,12 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         "vllm.v1.attention.backends.mla.prefill.base:MLAPrefillBackend",
     ),
     Overriding("vllm_gaudi_connectors.nixl:HpuNixlConnector", f"{NIXL}.connector:NixlConnector"),
+    Overriding(
+        "vllm_gaudi_quant.methods.compressed_tensors:HpuCompressedTensorsConfig",
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors:"
+        "CompressedTensorsConfig",
+        frozenset({"_moe_method", "hpu_check_vllm_config"}),
+    ),
     Overriding(
         "vllm_gaudi_connectors.nixl:HpuNixlConnectorWorker",
         f"{NIXL}.pull_worker:NixlPullConnectorWorker",
