@@ -15,18 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
 from tests.integration.generation import (
     ENGINE,
     assert_close,
     hf_greedy,
     job_result,
     make_prompts,
+    named_job_outputs,
     run_job,
 )
 
 pytestmark = pytest.mark.engine
 
 JOB = Path(__file__).with_name("inc_job.py")
+COMPILE_JOB = Path(__file__).parents[1] / "integration" / "compile_job.py"
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 MAX_TOKENS = 12
 
@@ -104,6 +107,33 @@ def quantized(model, calibration):
 @pytest.fixture(scope="module")
 def quantized_fp8_kv(model, calibration):
     return _run_quantized(model, calibration[0] / "quant_config.json", kv_cache_dtype="fp8_inc")
+
+
+@pytest.fixture(scope="module")
+def compiled(model, calibration) -> dict:
+    """The QUANTIZE config through torch.compile (PT_HPU_LAZY_MODE=0, as a Gaudi runs by
+    default), then op by op in the same engine (tests/integration/compile_job.py)."""
+    job = {
+        "cases": {"inc": {"model": model, "engine": {"quantization": "inc"}}},
+        "prompts": make_prompts()[:6],
+        "max_tokens": 6,
+        "engine": ENGINE,
+    }
+    env = {"PT_HPU_LAZY_MODE": "0", "QUANT_CONFIG": str(calibration[0] / "quant_config.json")}
+    proc = run_job(COMPILE_JOB, json.dumps(job), env, timeout=600)
+    return named_job_outputs(proc).get("inc", {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
+
+
+def test_inc_fp8_compiles_once_per_bucket_and_equals_its_uncompiled_passes(compiled):
+    # neural-compressor's patched modules trace without a graph break. Tokens are identical;
+    # logprobs within 5e-2: every linear casts its input to FP8, and a last-bit difference of a
+    # float32 activation (the compiled pass orders some float ops differently) can round one
+    # element to the neighbouring FP8 value, which later tokens then attend to (measured:
+    # 2.1e-3 at the token where it happens, 2.2e-2 four tokens later; on the plain tiny Llama
+    # no element flips and the logprobs are identical).
+    stats = assert_matches_eager("inc", compiled, 5e-2)
+    assert_compiled_only_in_warmup(stats)
+    assert stats["recompiles"] == 0
 
 
 @pytest.fixture(scope="module")
