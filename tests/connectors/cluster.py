@@ -239,11 +239,29 @@ def wait_ready(*servers: Server, path: str = "/health") -> None:
             time.sleep(0.5)
 
 
-def metric_sum(url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples named `name` (e.g. a histogram's `_sum`)."""
-    text = httpx.get(url + "/metrics", trust_env=False, timeout=10).text
+def _get_metrics(url: str, attempts: int = 3) -> str:
+    """The /metrics page, asked again on a new connection when an answer takes over 10 s: once,
+    a request to a 1P1D prefill instance stayed unanswered until the server shut down, while
+    the server went on logging (cause not found)."""
+    for attempt in range(attempts):
+        try:
+            return httpx.get(url + "/metrics", trust_env=False, timeout=10).text
+        except httpx.TimeoutException:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples named `name` (e.g. a histogram's `_sum`), of those
+    with the given label values only if `labels` are given."""
+    text = _get_metrics(url)
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        series = line.rsplit(" ", 1)[0]
+        if all(label in series for label in wanted):
             total += float(line.rsplit(" ", 1)[1])
     return total

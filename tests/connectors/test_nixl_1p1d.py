@@ -1,13 +1,21 @@
 """Disaggregated prefill/decode on the HPU platform (CPU emulation) with real NIXL over loopback.
 
 One deployment for the module: a prefill instance and a decode instance (vLLM servers with
-HpuNixlConnector; NIXL's UCX backend moves their host-memory KV blocks) behind `vllm-gaudi
-proxy`. A single instance without a connector starts beside them, answers the reference prompts
-and is stopped before the pair is used. A second decode instance with another KV cache dtype
-(fp8_inc) starts with them too, for the refused-handshake test against the same prefill instance
-(one deployment instead of a second module starting its own pair). Prompts are token ids, so their
-lengths (and the number of 128-token blocks they fill) are exact. The tests run in file order: the
-last ones kill the prefill instance.
+HpuNixlConnector; NIXL's UCX backend moves their KV blocks) behind `vllm-gaudi proxy`. Both take
+the path a Gaudi takes with kv_buffer_device "cpu": the emulated KV cache is device memory, the
+prefill side copies prefilled blocks out of it into host staging buffers
+(`swap_out_blocks_to_host`), NIXL moves the staging buffers, and the decode side copies the
+received blocks into its KV cache (`insert_blocks_to_device`); the platform counts the bytes each
+hook copied (`vllm:hpu_kv_staged_bytes_total`).
+
+A single instance without a connector starts beside them, answers the reference prompts and is
+stopped before the pair is used. A second pair runs an FP8 KV cache (fp8_inc) with 64-token
+blocks: its decode instance also serves the refused-handshake test against the first prefill
+instance, whose cache dtype and block size both differ (one deployment instead of more modules
+starting their own pairs). A third pair moves blocks device to device (kv_buffer_device "hpu"),
+the other path vLLM offers a Gaudi. Prompts are token ids, so their lengths (and the number of
+blocks they fill) are exact. The tests run in file order: the last ones kill the prefill
+instance.
 """
 
 from __future__ import annotations
@@ -39,9 +47,13 @@ DTYPE = "float32"
 # Tiny Llama: 2 layers x (key + value) x 128 token slots x 2 KV heads x 32 dims x 4 bytes.
 BLOCK_BYTES = 2 * 2 * cluster.BLOCK_SIZE * 2 * 32 * 4
 BYTES = "vllm:nixl_bytes_transferred_sum"
-# The mismatched decode instance's KV cache dtype; the prefill instance keeps vLLM's default.
-MISMATCHED_KV_CACHE_DTYPE = "fp8_inc"
+# The second pair: an FP8 KV cache (1 byte per element) in 64-token blocks. Its decode instance
+# is also the mismatched one for the first prefill instance (vLLM's defaults: auto, 128).
+FP8_KV_CACHE_DTYPE = "fp8_inc"
+FP8_BLOCK_SIZE = 64
+FP8_BLOCK_BYTES = 2 * 2 * FP8_BLOCK_SIZE * 2 * 32 * 1
 FAILED = "vllm:nixl_num_failed_transfers_total"
+STAGED = "vllm:hpu_kv_staged_bytes_total"
 
 
 def _random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -67,15 +79,33 @@ ORPHAN = _random_tokens(random.Random(11), 600)
 AFTER = _random_tokens(random.Random(12), 300)
 
 
-def _blocks_missing_on_decode(prompts: list[list[int]]) -> list[int]:
-    """Blocks the decode instance must pull per prompt, in order: all of the prompt's blocks
-    but the leading full ones an earlier prompt left in its prefix cache."""
+def _fp8_prompts() -> list[list[int]]:
+    """Prompts of 64 k + 1 tokens for the FP8 pair: the decode instance computes the last prompt
+    token over the k transferred full blocks, exactly as the prefill instance does when it
+    answers the prompt again from its prefix cache. The second shares the first's first block."""
+    rng = random.Random(13)
+    first = _random_tokens(rng, FP8_BLOCK_SIZE + 1)
+    second = first[:FP8_BLOCK_SIZE] + _random_tokens(rng, 2 * FP8_BLOCK_SIZE + 1)
+    return [first, second, _random_tokens(rng, 5 * FP8_BLOCK_SIZE + 1)]
+
+
+FP8_PROMPTS = _fp8_prompts()
+
+
+def _prompt_blocks(prompts: list[list[int]], block_size: int = cluster.BLOCK_SIZE) -> list[int]:
+    return [math.ceil(len(prompt) / block_size) for prompt in prompts]
+
+
+def _blocks_missing(prompts: list[list[int]], block_size: int = cluster.BLOCK_SIZE) -> list[int]:
+    """Blocks an instance must fill per prompt, in order (the prefill instance by computing
+    them, the decode instance by pulling them): all of the prompt's blocks but the leading full
+    ones an earlier prompt left in its prefix cache."""
     cached: set[tuple[int, ...]] = set()
     missing = []
     for prompt in prompts:
-        blocks = math.ceil(len(prompt) / cluster.BLOCK_SIZE)
-        full = len(prompt) // cluster.BLOCK_SIZE
-        prefixes = [tuple(prompt[: (b + 1) * cluster.BLOCK_SIZE]) for b in range(full)]
+        blocks = math.ceil(len(prompt) / block_size)
+        full = len(prompt) // block_size
+        prefixes = [tuple(prompt[: (b + 1) * block_size]) for b in range(full)]
         hits = 0
         while hits < full and prefixes[hits] in cached:
             hits += 1
@@ -101,12 +131,12 @@ def _token_ids(answer: httpx.Response) -> list[int]:
     return answer.json()["choices"][0]["token_ids"]
 
 
-def _settled(url: str, name: str) -> float:
+def _settled(url: str, name: str, **labels: str) -> float:
     """A metric once two reads in a row agree (the engine reports transfer stats a step late)."""
-    value = cluster.metric_sum(url, name)
+    value = cluster.metric_sum(url, name, **labels)
     while True:
         time.sleep(0.3)
-        again = cluster.metric_sum(url, name)
+        again = cluster.metric_sum(url, name, **labels)
         if again == value:
             return value
         value = again
@@ -128,10 +158,17 @@ class Deployment:
     prefill: cluster.Server
     decode: cluster.Server
     proxy: cluster.Server
-    mismatched: cluster.Server  # decode instance whose KV cache dtype differs from prefill's
+    fp8_prefill: cluster.Server  # FP8 KV cache, 64-token blocks
+    fp8_decode: cluster.Server  # the same; its cache dtype and block size differ from prefill's
+    direct_prefill: cluster.Server  # device to device: NIXL reads the KV cache itself
+    direct_decode: cluster.Server
     reference: list[list[int]]  # the single instance's greedy token ids for PROMPTS
     reference_orphan: list[int]
     reference_after: list[int]
+
+
+def _fp8_args() -> list[str]:
+    return ["--kv-cache-dtype", FP8_KV_CACHE_DTYPE, "--block-size", str(FP8_BLOCK_SIZE)]
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +176,17 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     model = str(tinymodels.build("llama"))
     logs = tmp_path_factory.mktemp("1p1d")
     extra = {"kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
+
+    def side_channel(**extra: str) -> dict[str, str]:
+        return cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port()), **extra})
+
     single = cluster.start_vllm("single", model, logs, dtype=DTYPE)
     prefill = cluster.start_vllm(
         "prefill",
         model,
         logs,
         kv_config=cluster.kv_transfer_config("kv_producer", **extra),
-        env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
+        env=side_channel(),
         dtype=DTYPE,
     )
     decode = cluster.start_vllm(
@@ -155,29 +196,66 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
         kv_config=cluster.kv_transfer_config(
             "kv_consumer", kv_load_failure_policy="recompute", **extra
         ),
-        env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
+        env=side_channel(),
         dtype=DTYPE,
     )
+    fp8_prefill = cluster.start_vllm(
+        "fp8-prefill",
+        model,
+        logs,
+        kv_config=cluster.kv_transfer_config("kv_producer"),
+        env=side_channel(),
+        dtype=DTYPE,
+        extra_args=_fp8_args(),
+    )
     # vLLM's default kv_load_failure_policy ("fail"): a refused handshake fails the request.
-    mismatched = cluster.start_vllm(
-        "mismatched-decode",
+    fp8_decode = cluster.start_vllm(
+        "fp8-decode",
         model,
         logs,
         kv_config=cluster.kv_transfer_config("kv_consumer"),
-        env=cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}),
+        env=side_channel(),
         dtype=DTYPE,
-        extra_args=["--kv-cache-dtype", MISMATCHED_KV_CACHE_DTYPE],
+        extra_args=_fp8_args(),
+    )
+    direct = {"VLLM_NIXL_DEVICE_TO_DEVICE": "true"}
+    direct_prefill = cluster.start_vllm(
+        "direct-prefill",
+        model,
+        logs,
+        kv_config=cluster.kv_transfer_config("kv_producer", kv_buffer_device="hpu"),
+        env=side_channel(**direct),
+        dtype=DTYPE,
+    )
+    direct_decode = cluster.start_vllm(
+        "direct-decode",
+        model,
+        logs,
+        kv_config=cluster.kv_transfer_config("kv_consumer", kv_buffer_device="hpu"),
+        env=side_channel(**direct),
+        dtype=DTYPE,
     )
     proxy = cluster.start_proxy([prefill.url], [decode.url], logs, PROXY_TIMEOUT_S)
-    servers = [single, prefill, decode, mismatched, proxy]
+    pairs = [prefill, decode, fp8_prefill, fp8_decode, direct_prefill, direct_decode]
+    servers = [single, *pairs, proxy]
     try:
-        # The reference is taken while the pair is still starting, and the single instance is
-        # stopped before the pair serves.
+        # The reference is taken while the pairs are still starting, and the single instance is
+        # stopped before the pairs serve.
         cluster.wait_ready(single)
         reference = [_token_ids(_complete(single.url, p)) for p in [*PROMPTS, ORPHAN, AFTER]]
         single.stop()
-        cluster.wait_ready(prefill, decode, proxy, mismatched)
-        yield Deployment(prefill, decode, proxy, mismatched, reference[:-2], *reference[-2:])
+        cluster.wait_ready(*pairs, proxy)
+        yield Deployment(
+            prefill,
+            decode,
+            proxy,
+            fp8_prefill,
+            fp8_decode,
+            direct_prefill,
+            direct_decode,
+            reference[:-2],
+            *reference[-2:],
+        )
     finally:
         for server in servers:
             server.stop()
@@ -187,21 +265,37 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
 class Run:
     outputs: list[list[int]]
     blocks_moved: list[float]  # per prompt, from the decode instance's NIXL byte count
+    blocks_staged_out: list[float]  # per prompt, copied out of the prefill instance's KV cache
+    blocks_staged_in: list[float]  # per prompt, copied into the decode instance's KV cache
     failed_transfers: float
+
+
+def _staged(server: cluster.Server, direction: str) -> float:
+    return _settled(server.url, STAGED, direction=direction)
 
 
 @pytest.fixture(scope="module")
 def disaggregated(deployment: Deployment) -> Run:
     """The 16 prompts through the proxy, one after another."""
-    decode = deployment.decode
-    outputs, moved = [], []
-    before = _settled(decode.url, BYTES)
+    prefill, decode = deployment.prefill, deployment.decode
+    outputs, moved, staged_out, staged_in = [], [], [], []
+    before = (
+        _settled(decode.url, BYTES),
+        _staged(prefill, "to_host"),
+        _staged(decode, "to_device"),
+    )
     for prompt in PROMPTS:
         outputs.append(_token_ids(_complete(deployment.proxy.url, prompt)))
-        after = _settled(decode.url, BYTES)
-        moved.append((after - before) / BLOCK_BYTES)
+        after = (
+            _settled(decode.url, BYTES),
+            _staged(prefill, "to_host"),
+            _staged(decode, "to_device"),
+        )
+        moved.append((after[0] - before[0]) / BLOCK_BYTES)
+        staged_out.append((after[1] - before[1]) / BLOCK_BYTES)
+        staged_in.append((after[2] - before[2]) / BLOCK_BYTES)
         before = after
-    return Run(outputs, moved, cluster.metric_sum(decode.url, FAILED))
+    return Run(outputs, moved, staged_out, staged_in, cluster.metric_sum(decode.url, FAILED))
 
 
 def test_disaggregated_outputs_equal_a_single_instance(deployment, disaggregated):
@@ -214,13 +308,91 @@ def test_disaggregated_outputs_equal_a_single_instance(deployment, disaggregated
 
 
 def test_blocks_moved_are_the_prompt_blocks_missing_from_the_decode_prefix_cache(disaggregated):
-    expected = _blocks_missing_on_decode(PROMPTS)
+    expected = _blocks_missing(PROMPTS)
 
     assert disaggregated.failed_transfers == 0
     assert disaggregated.blocks_moved == expected
     # The prompts did exercise both cases: blocks found locally, and prompts over one block.
     assert sum(expected) < sum(math.ceil(len(p) / cluster.BLOCK_SIZE) for p in PROMPTS)
     assert max(expected) > 1
+
+
+def test_host_staging_copied_exactly_the_transferred_blocks_both_ways(deployment, disaggregated):
+    """The prefill instance copied each prompt's blocks out of its KV cache into the staging
+    buffers (all of them: vLLM saves every block of a new request, the prefix-cached ones
+    again too), and the decode instance copied exactly the blocks NIXL brought into its KV
+    cache; neither side staged anything else."""
+    assert disaggregated.blocks_staged_out == _prompt_blocks(PROMPTS)
+    assert disaggregated.blocks_staged_in == _blocks_missing(PROMPTS)
+    assert cluster.metric_sum(deployment.prefill.url, STAGED, direction="to_device") == 0
+    assert cluster.metric_sum(deployment.decode.url, STAGED, direction="to_host") == 0
+    for server in (deployment.prefill, deployment.decode):
+        assert "use_host_buffer: True" in server.log.read_text(errors="replace")
+
+
+def _logprobs(answer: httpx.Response) -> list[float]:
+    return answer.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_an_fp8_kv_cache_goes_through_host_staging_unchanged(deployment):
+    """The FP8 pair: its 1-byte KV blocks are staged out, moved and staged in block for block,
+    and the decode instance, computing the last prompt token over the received blocks, answers
+    what the prefill instance answers over its own cached blocks: the same tokens and
+    log-probabilities (a staged block with a wrong byte would change them)."""
+    prefill, decode = deployment.fp8_prefill, deployment.fp8_decode
+    expected = _blocks_missing(FP8_PROMPTS, FP8_BLOCK_SIZE)
+    moved, out, into, differ = [], [], [], []
+    before = (
+        _settled(decode.url, BYTES),
+        _staged(prefill, "to_host"),
+        _staged(decode, "to_device"),
+    )
+    for prompt in FP8_PROMPTS:
+        params = _prefill_only(prefill, prompt)
+        ours = _complete(decode.url, prompt, kv_transfer_params=params, logprobs=1)
+        after = (
+            _settled(decode.url, BYTES),
+            _staged(prefill, "to_host"),
+            _staged(decode, "to_device"),
+        )
+        moved.append((after[0] - before[0]) / FP8_BLOCK_BYTES)
+        out.append((after[1] - before[1]) / FP8_BLOCK_BYTES)
+        into.append((after[2] - before[2]) / FP8_BLOCK_BYTES)
+        before = after
+        reference = _complete(prefill.url, prompt, logprobs=1)
+        if _token_ids(ours) != _token_ids(reference) or not all(
+            math.isclose(a, b, abs_tol=1e-4) for a, b in zip(_logprobs(ours), _logprobs(reference))
+        ):
+            differ.append((len(prompt), _token_ids(ours), _token_ids(reference)))
+
+    assert (moved, into) == (expected, expected)
+    assert out == _prompt_blocks(FP8_PROMPTS, FP8_BLOCK_SIZE)
+    assert not differ, f"(prompt length, 1P1D tokens, prefill instance tokens): {differ}"
+    assert cluster.metric_sum(decode.url, FAILED) == 0
+
+
+def test_device_to_device_moves_the_kv_cache_without_staging(deployment):
+    """kv_buffer_device "hpu" with VLLM_NIXL_DEVICE_TO_DEVICE=true, the path vLLM offers a Gaudi
+    besides host staging: NIXL reads the prefill instance's KV cache straight into the decode
+    instance's (registered as host DRAM in emulation, Gaudi HBM on a Gaudi). The same blocks
+    move, nothing is staged, and the answers are the single instance's."""
+    prefill, decode = deployment.direct_prefill, deployment.direct_decode
+    prompts = PROMPTS[:4]
+    outputs, moved = [], []
+    before = _settled(decode.url, BYTES)
+    for prompt in prompts:
+        params = _prefill_only(prefill, prompt)
+        outputs.append(_token_ids(_complete(decode.url, prompt, kv_transfer_params=params)))
+        after = _settled(decode.url, BYTES)
+        moved.append((after - before) / BLOCK_BYTES)
+        before = after
+
+    assert outputs == deployment.reference[: len(prompts)]
+    assert moved == _blocks_missing(prompts)
+    assert cluster.metric_sum(prefill.url, STAGED) == 0
+    assert cluster.metric_sum(decode.url, STAGED) == 0
+    for server in (prefill, decode):
+        assert "use_host_buffer: False" in server.log.read_text(errors="replace")
 
 
 def test_prefill_frees_blocks_no_decode_reads_after_the_lease(deployment):
@@ -236,12 +408,13 @@ def test_prefill_frees_blocks_no_decode_reads_after_the_lease(deployment):
     assert cluster.metric_sum(prefill.url, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
 
 
-def test_handshake_with_another_kv_cache_dtype_is_refused_naming_both_values(deployment):
-    """vLLM refuses the handshake naming two compatibility hashes; HpuNixlConnector compares the
-    fields first and names the differing one with both values. The request fails (the instance
-    runs vLLM's default kv_load_failure_policy, "fail") with an HTTP 500 instead of hanging, and
-    the instance keeps serving."""
-    mismatched = deployment.mismatched
+def test_handshake_with_another_cache_dtype_and_block_size_is_refused_naming_both(deployment):
+    """vLLM refuses a different KV cache dtype naming two compatibility hashes, and a different
+    block size through host staging on a bare assert; HpuNixlConnector compares the fields
+    first and names each differing one with both values. The request fails (the instance runs
+    vLLM's default kv_load_failure_policy, "fail") with an HTTP 500 instead of hanging, and the
+    instance keeps serving."""
+    mismatched = deployment.fp8_decode
     prompt = _random_tokens(random.Random(5), 200)
     params = _prefill_only(deployment.prefill, prompt)
 
@@ -253,8 +426,11 @@ def test_handshake_with_another_kv_cache_dtype_is_refused_naming_both_values(dep
     assert elapsed < 30
     log = mismatched.log.read_text(errors="replace")
     assert "NIXL handshake with the instance at" in log, mismatched.log_tail()
-    difference = f"cache_dtype: local {MISMATCHED_KV_CACHE_DTYPE}, remote auto"
-    assert difference in log, mismatched.log_tail()
+    for difference in (
+        f"cache_dtype: local {FP8_KV_CACHE_DTYPE}, remote auto",
+        f"block_size: local {FP8_BLOCK_SIZE}, remote {cluster.BLOCK_SIZE}",
+    ):
+        assert difference in log, mismatched.log_tail()
     assert _complete(mismatched.url, prompt).status_code == 200  # still serving
 
 

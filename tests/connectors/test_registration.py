@@ -6,7 +6,11 @@ import socket
 
 import pytest
 
-from vllm_gaudi_connectors.nixl import check_kv_buffer_device, check_side_channel_port
+from vllm_gaudi_connectors.nixl import (
+    check_kv_buffer_device,
+    check_side_channel_port,
+    uses_host_staging,
+)
 
 REGISTER_TWICE = """
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -43,24 +47,27 @@ def test_connector_keeps_the_hpu_kv_layout():
     assert HpuNixlConnector.get_required_kvcache_layout(Config()) == "LBNHC"
 
 
-def test_host_staging_is_accepted_on_gaudi_and_in_emulation():
-    check_kv_buffer_device("cpu", emulated=True, device_to_device=False)
-    check_kv_buffer_device("cpu", emulated=False, device_to_device=False)
-    check_kv_buffer_device("hpu", emulated=False, device_to_device=True)
+def test_host_staging_and_device_to_device_are_accepted():
+    check_kv_buffer_device("cpu", device_to_device=False)
+    check_kv_buffer_device("hpu", device_to_device=True)
+
+
+def test_the_hpu_kv_cache_is_staged_for_a_cpu_transfer_buffer_only():
+    assert uses_host_staging("cpu")
+    assert not uses_host_staging("hpu")
 
 
 @pytest.mark.parametrize(
-    ("device", "emulated", "d2d", "names"),
+    ("device", "d2d", "names"),
     [
-        ("hpu", True, False, 'set "kv_buffer_device": "cpu"'),
-        ("hpu", False, False, "VLLM_NIXL_DEVICE_TO_DEVICE=true"),
-        ("cpu", False, True, 'set "kv_buffer_device": "hpu"'),
-        ("cuda", False, False, "not supported on HPU"),
+        ("hpu", False, "VLLM_NIXL_DEVICE_TO_DEVICE=true"),
+        ("cpu", True, 'set "kv_buffer_device": "hpu"'),
+        ("cuda", False, "not supported on HPU"),
     ],
 )
-def test_a_transfer_buffer_that_cannot_work_is_refused_naming_the_fix(device, emulated, d2d, names):
+def test_a_transfer_buffer_that_cannot_work_is_refused_naming_the_fix(device, d2d, names):
     with pytest.raises(ValueError, match="kv_buffer_device") as err:
-        check_kv_buffer_device(device, emulated=emulated, device_to_device=d2d)
+        check_kv_buffer_device(device, device_to_device=d2d)
     assert names in str(err.value)
 
 

@@ -36,6 +36,7 @@ def test_gaudi_identity_facts(gaudi):
     assert (gaudi.DISPATCH_KEY, gaudi.DIST_BACKEND) == ("HPU", "hccl")
     assert gaudi.COMPILE_BACKEND == "hpu_backend"
     assert gaudi.SHARED_HOST_MEMORY is False
+    assert (gaudi.NIXL_DEVICE_MEMORY, emulated.NIXL_DEVICE_MEMORY) == ("VRAM", "DRAM")
     assert (gaudi.ROPE_BLOCKWISE, gaudi.ROPE_PAIRWISE) == (
         emulated.ROPE_BLOCKWISE,
         emulated.ROPE_PAIRWISE,

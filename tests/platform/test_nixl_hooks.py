@@ -21,19 +21,34 @@ def _cache(seed: int) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-def test_nixl_supports_host_staging_for_the_hpu_device_type(platform):
-    assert platform.get_nixl_supported_devices() == {"hpu": ("cpu",)}
+def test_nixl_supports_host_staging_for_the_device_type_of_the_kv_cache(platform):
+    # vLLM looks the entry up by the platform's device type: "cpu" in emulation.
+    assert platform.get_nixl_supported_devices() == {"cpu": ("cpu",)}
+    assert platform.get_nixl_memory_type() == "DRAM"  # the host staging buffers
 
 
-def test_device_to_device_is_not_offered_in_emulation(platform, monkeypatch):
+def test_device_to_device_registers_the_emulated_cache_as_host_dram(platform, monkeypatch):
+    """As on a Gaudi, VLLM_NIXL_DEVICE_TO_DEVICE=true offers kv_buffer_device "hpu"; the
+    registered memory is the device's: HBM ("VRAM") on a Gaudi, host DRAM when emulated."""
     monkeypatch.setenv("VLLM_NIXL_DEVICE_TO_DEVICE", "true")
 
-    assert platform.get_nixl_supported_devices() == {"hpu": ("cpu",)}
+    assert platform.get_nixl_supported_devices() == {"cpu": ("cpu", "hpu")}
     assert platform.get_nixl_memory_type() == "DRAM"
 
 
-def test_registered_memory_is_host_dram_in_emulation(platform):
-    assert platform.get_nixl_memory_type() == "DRAM"
+def test_staging_hooks_count_the_bytes_they_copy(platform):
+    from vllm_gaudi_platform.observability import metrics
+
+    counters = metrics.StepMetrics()
+    device, host = _cache(5), torch.zeros(SHAPE, dtype=torch.bfloat16)
+    block = SHAPE[1] * SHAPE[2] * SHAPE[3] * 2  # bfloat16
+
+    platform.swap_out_blocks_to_host(device, host, torch.tensor([1, 4, 2]), torch.tensor([0, 1, 2]))
+    platform.insert_blocks_to_device(host, device, torch.tensor([0, 2]), torch.tensor([3, 5]))
+
+    assert counters["kv_staged_to_host_bytes"] == 3 * block
+    assert counters["kv_staged_to_device_bytes"] == 2 * block
+    counters.close()
 
 
 def test_swap_out_copies_non_contiguous_blocks_to_the_given_host_slots(platform):

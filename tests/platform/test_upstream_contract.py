@@ -644,13 +644,42 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(
         f"{NIXL}.base_worker:NixlBaseConnectorWorker.__init__",
-        "HpuNixlConnectorWorker reads these attributes",
+        "HpuNixlConnectorWorker reads these attributes and sets use_host_buffer after it",
         mentions=(
             "xfer_handshake_metadata",
             "enforce_compat_hash",
             "use_host_buffer",
+            "kv_buffer_device",
+            "copy_blocks",
             "vllm_config",
         ),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.set_host_xfer_buffer_ops",
+        "HpuNixlConnectorWorker overrides it: keeps the copy operation for an emulated device",
+        params=("copy_operation",),
+        mentions=("copy_blocks",),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.save_kv_to_host",
+        "host staging out of the KV cache: the platform's swap_out_blocks_to_host via copy_blocks",
+        mentions=("copy_blocks", "host_xfer_buffers", "d2h"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.sync_recved_kv_to_device",
+        "host staging into the KV cache: the platform's insert_blocks_to_device via copy_blocks",
+        mentions=("copy_blocks", "host_xfer_buffers", "h2d"),
+    ),
+    Upstream(
+        f"{NIXL}.base_scheduler:NixlBaseConnectorScheduler.__init__",
+        "HpuNixlConnectorScheduler sets use_host_buffer after it (saves prefilled blocks)",
+        mentions=("use_host_buffer", "kv_buffer_device"),
+    ),
+    Upstream(
+        "vllm.distributed.kv_transfer.kv_connector.utils:copy_kv_blocks",
+        "the copy operation the runner hands the connector: calls the platform's staging hooks",
+        params=("src_kv_caches", "dst_kv_caches", "src_block_ids", "dst_block_ids", "direction"),
+        mentions=("insert_blocks_to_device", "swap_out_blocks_to_host"),
     ),
     Upstream(f"{NIXL}.base_worker:NixlBaseConnectorWorker._TRANSFER_MODE", "the compat fields"),
     Upstream(
@@ -877,6 +906,10 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         "vllm_gaudi_connectors.nixl:HpuNixlConnectorWorker",
         f"{NIXL}.pull_worker:NixlPullConnectorWorker",
         frozenset({"_check_remote_compatibility"}),
+    ),
+    Overriding(
+        "vllm_gaudi_connectors.nixl:HpuNixlConnectorScheduler",
+        f"{NIXL}.pull_scheduler:NixlPullConnectorScheduler",
     ),
 )
 

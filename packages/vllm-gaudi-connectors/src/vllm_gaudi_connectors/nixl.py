@@ -8,9 +8,11 @@ overrides only what differs on HPU:
 - the KV cache layout: vLLM's connector asks for LBHNC, which the HPU attention backend does not
   have; it keeps Gaudi's LBNHC (the connector registers caches by storage and stride, so both
   work), instead of vLLM dropping the request with a warning;
-- the transfer buffer: host staging (`kv_buffer_device: "cpu"`) by default; Gaudi device memory
-  (`"hpu"`) only with VLLM_NIXL_DEVICE_TO_DEVICE=true on a real Gaudi. A combination that cannot
-  work is refused at start with the setting to change;
+- the transfer buffer: host staging (`kv_buffer_device: "cpu"`) by default; device memory
+  (`"hpu"`) only with VLLM_NIXL_DEVICE_TO_DEVICE=true. A combination that cannot work is refused
+  at start with the setting to change. The KV cache counts as device memory in CPU emulation
+  too (where vLLM, seeing device type "cpu", would let NIXL read it directly), so emulation
+  stages through host buffers exactly as a Gaudi does;
 - the handshake side channel: vLLM binds VLLM_NIXL_SIDE_CHANNEL_PORT (+ the data-parallel
   index) in a listener thread of the engine process; when the port is taken that thread dies and
   the engine waits for it forever. The scheduler side checks the port first and refuses to start,
@@ -65,31 +67,33 @@ CONNECTOR_NAME = "HpuNixlConnector"
 HPU_KV_CACHE_LAYOUT = "LBNHC"  # attention.HPUAttentionBackend.supported_kv_cache_layouts
 
 
-def check_kv_buffer_device(kv_buffer_device: str, emulated: bool, device_to_device: bool) -> None:
+def check_kv_buffer_device(kv_buffer_device: str, device_to_device: bool) -> None:
     """Refuse a kv_buffer_device that the HPU platform cannot serve, naming the fix."""
     env = envs.VLLM_NIXL_DEVICE_TO_DEVICE
     if kv_buffer_device not in ("cpu", "hpu"):
         raise ValueError(
             f"{CONNECTOR_NAME}: kv_buffer_device={kv_buffer_device!r} is not supported on HPU; "
             'set "kv_buffer_device": "cpu" in --kv-transfer-config (or "hpu" with '
-            f"{env}=true on a Gaudi)."
-        )
-    if kv_buffer_device == "hpu" and emulated:
-        raise ValueError(
-            f'{CONNECTOR_NAME}: kv_buffer_device="hpu" needs a Gaudi; in CPU emulation the KV '
-            'cache is host memory already: set "kv_buffer_device": "cpu".'
+            f"{env}=true)."
         )
     if kv_buffer_device == "hpu" and not device_to_device:
         raise ValueError(
             f'{CONNECTOR_NAME}: kv_buffer_device="hpu" moves KV blocks device to device, which '
             f'must be enabled with {env}=true (or set "kv_buffer_device": "cpu").'
         )
-    if kv_buffer_device == "cpu" and device_to_device and not emulated:
+    if kv_buffer_device == "cpu" and device_to_device:
         raise ValueError(
-            f"{CONNECTOR_NAME}: {env}=true registers Gaudi memory with NIXL, but "
+            f"{CONNECTOR_NAME}: {env}=true registers the device KV cache with NIXL, but "
             'kv_buffer_device is "cpu"; set "kv_buffer_device": "hpu" or unset '
             f"{env}."
         )
+
+
+def uses_host_staging(kv_buffer_device: str) -> bool:
+    """Whether KV blocks go through host staging buffers. The HPU KV cache is device memory on
+    a Gaudi and in CPU emulation alike, so both stage for kv_buffer_device "cpu" (vLLM would not
+    stage for its "cpu" device type, which emulation reports)."""
+    return kv_buffer_device == "cpu"
 
 
 def check_side_channel_port(host: str, port: int) -> None:
@@ -123,8 +127,8 @@ HASHED_FIELDS = (
     "transfer_mode",
 )
 # Not hashed by vLLM: it moves KV between different block sizes when NIXL reads the KV cache
-# itself (Gaudi device to device, and CPU emulation, whose cache is host memory), but not through
-# host staging buffers (kv_buffer_device "cpu" on a Gaudi), where it stops on a bare assert.
+# itself (device to device), but not through host staging buffers (kv_buffer_device "cpu"),
+# where it stops on a bare assert.
 BLOCK_SIZE_FIELD = "block_size"
 HANDSHAKE_TIMEOUT_MS = 5000  # as vLLM's own handshake query
 
@@ -185,11 +189,34 @@ class HpuNixlHandshakePayload(NixlHandshakePayload):
     compatibility_fields: dict[str, str] | None = None
 
 
+class HpuNixlConnectorScheduler(NixlPullConnectorScheduler):
+    """vLLM's pull scheduler, saving prefilled blocks to host staging whenever the worker
+    stages (in CPU emulation too)."""
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        kv_transfer_config = vllm_config.kv_transfer_config
+        assert kv_transfer_config is not None
+        self.use_host_buffer = uses_host_staging(kv_transfer_config.kv_buffer_device)
+
+
 class HpuNixlConnectorWorker(NixlPullConnectorWorker):
-    """vLLM's pull worker whose handshake names each incompatible field with both values."""
+    """vLLM's pull worker that stages through host buffers on the HPU device, emulated or not,
+    and whose handshake names each incompatible field with both values."""
 
     xfer_handshake_metadata: NixlHandshakePayload | None
     compatibility_fields: dict[str, str]
+
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.use_host_buffer = uses_host_staging(self.kv_buffer_device)
+
+    def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
+        # vLLM's worker keeps no copy operation for device type "cpu" (emulation); the HPU
+        # worker takes the one the model runner hands over (the platform's staging hooks)
+        # whenever it stages.
+        if self.use_host_buffer:
+            self.copy_blocks = copy_operation
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
@@ -261,13 +288,10 @@ class HpuNixlConnector(NixlConnector):
     """vLLM's NIXL connector with the HPU KV-cache layout and transfer-buffer checks."""
 
     def __init__(self, vllm_config: VllmConfig, role: Any, kv_cache_config: Any) -> None:
-        from vllm.platforms import current_platform
-
         kv_transfer_config = vllm_config.kv_transfer_config
         assert kv_transfer_config is not None
         check_kv_buffer_device(
             kv_transfer_config.kv_buffer_device,
-            emulated=bool(getattr(current_platform, "is_emulated", lambda: False)()),
             device_to_device=envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE),
         )
         if role == KVConnectorRole.SCHEDULER:
@@ -282,8 +306,10 @@ class HpuNixlConnector(NixlConnector):
         # NixlConnector.__init__ (vLLM's pull connector) creates its scheduler or worker; this
         # does the same with our worker class (the drift guard checks it still creates these).
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self.connector_scheduler: NixlPullConnectorScheduler | None
+        self.connector_worker: NixlPullConnectorWorker | None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = NixlPullConnectorScheduler(
+            self.connector_scheduler = HpuNixlConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config
             )
             self.connector_worker = None

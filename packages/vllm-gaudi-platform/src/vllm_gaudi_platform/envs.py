@@ -133,9 +133,10 @@ QUANT_CONFIG = _declare(
 VLLM_NIXL_DEVICE_TO_DEVICE = _declare(
     "VLLM_NIXL_DEVICE_TO_DEVICE",
     "false",
-    "true: the NIXL connector (vllm-gaudi-connectors) registers Gaudi device memory with NIXL and "
-    "moves KV blocks device to device (kv_buffer_device 'hpu'); false: through host buffers "
-    "(kv_buffer_device 'cpu'). Gaudi only: emulated KV caches already live in host memory.",
+    "true: the NIXL connector (vllm-gaudi-connectors) registers the KV cache itself with NIXL and "
+    "moves KV blocks device to device (kv_buffer_device 'hpu'); false: through host staging "
+    "buffers (kv_buffer_device 'cpu'). CPU emulation takes either path as a Gaudi does (its KV "
+    "cache, host memory, is registered as DRAM).",
     kind="bool",
 )
 

@@ -14,6 +14,7 @@ from vllm_gaudi_platform.attention.cache_dtypes import (
     HPU_KV_CACHE_DTYPES,
     VLLM_UINT8_FP8_CACHE_DTYPES,
 )
+from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.seam import backend
 
 if TYPE_CHECKING:
@@ -374,23 +375,24 @@ class HpuPlatform(Platform):
             logger.info("HPU platform active: Gaudi kernels %s (no Gaudi device used)", _seam.NAME)
 
     # ------------------------------------------------------------------ NIXL (KV transfer)
-    # vLLM's NixlConnector looks these up by `device_type` ("hpu" on a Gaudi, "cpu" in emulation,
-    # where vLLM's own cpu entry already allows host buffers) and stages KV blocks through host
-    # buffers with insert_blocks_to_device / swap_out_blocks_to_host when kv_buffer_device is
-    # "cpu" on a device that is not the CPU.
+    # vLLM's NixlConnector looks these up by `device_type` ("hpu" on a Gaudi, "cpu" in
+    # emulation). The HPU KV cache is device memory on both backends: with kv_buffer_device
+    # "cpu", HpuNixlConnector stages blocks through host buffers with swap_out_blocks_to_host /
+    # insert_blocks_to_device (vLLM itself would skip staging for device type "cpu"); with
+    # "hpu" and VLLM_NIXL_DEVICE_TO_DEVICE=true, NIXL reads and writes the KV cache itself.
 
     @classmethod
     def get_nixl_supported_devices(cls) -> dict[str, tuple[str, ...]]:
-        if not _seam.IS_EMULATED and envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
-            return {"hpu": ("cpu", "hpu")}
-        return {"hpu": ("cpu",)}
+        if envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
+            return {_seam.DEVICE_TYPE: ("cpu", "hpu")}
+        return {_seam.DEVICE_TYPE: ("cpu",)}
 
     @classmethod
     def get_nixl_memory_type(cls) -> str | None:
-        # Registered KV memory: Gaudi HBM when NIXL moves blocks device to device, host DRAM
-        # otherwise (host staging buffers, or the emulated cache itself).
-        if not _seam.IS_EMULATED and envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
-            return "VRAM"
+        # Registered KV memory: the device's memory type when NIXL moves blocks device to device
+        # (Gaudi HBM, or the emulated cache's host memory), host DRAM for staging buffers.
+        if envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE):
+            return _seam.NIXL_DEVICE_MEMORY
         return "DRAM"
 
     @classmethod
@@ -404,6 +406,7 @@ class HpuPlatform(Platform):
         """Copy host staging blocks into the device KV cache (block axis first, LBNHC)."""
         _seam.copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices)
         _seam.synchronize()
+        hpu_metrics.count_staged("to_device", _block_bytes(dst_cache) * dst_block_indices.numel())
 
     @classmethod
     def swap_out_blocks_to_host(
@@ -417,6 +420,7 @@ class HpuPlatform(Platform):
         _seam.copy_blocks(src_cache, dst_cache, src_block_indices, dst_block_indices)
         # NIXL reads the host buffer right after: the device-to-host copy must have landed.
         _seam.synchronize()
+        hpu_metrics.count_staged("to_host", _block_bytes(src_cache) * src_block_indices.numel())
 
     @classmethod
     def discover_numa_topology(cls) -> list[list[int]]:
@@ -428,6 +432,11 @@ class HpuPlatform(Platform):
         decode instances of one host onto the same core.
         """
         return []
+
+
+def _block_bytes(cache: torch.Tensor) -> int:
+    """Bytes of one block of a block-first KV cache tensor."""
+    return cache[0].numel() * cache.element_size()
 
 
 def _float16_runs_in_bfloat16(model_config: ModelConfig) -> bool:

@@ -19,6 +19,9 @@ metric                                 type     meaning
 ``vllm:hpu_compiled_graphs``           gauge    torch.compile graphs per ``phase``: warmup, and
                                                 serving (each a recompile: a guard failed)
 ``vllm:hpu_graph_breaks``              gauge    torch.compile graph breaks per ``phase``
+``vllm:hpu_kv_staged_bytes_total``     counter  KV cache bytes NIXL host staging copied, per
+                                                ``direction``: to_host (out of the KV cache,
+                                                prefill side), to_device (into it, decode side)
 =====================================  =======  ==================================================
 
 The values come from the worker through the memory-mapped channel of
@@ -115,6 +118,11 @@ class HpuStatLogger(AggregateStatLoggerBase):
             [*labels, "phase"],
             multiprocess_mode="mostrecent",
         )
+        self.kv_staged = Counter(
+            "vllm:hpu_kv_staged_bytes",
+            "KV cache bytes copied by NIXL host staging, per direction (to_host, to_device).",
+            [*labels, "direction"],
+        )
         self._ready = True
         for idx in self.engine_indexes:
             self.refresh(idx)
@@ -160,4 +168,9 @@ class HpuStatLogger(AggregateStatLoggerBase):
             )
             self.graph_breaks.labels(self.model_name, engine, phase).set(
                 snap[f"graph_breaks_{phase}"]
+            )
+        for direction in metrics.STAGING_DIRECTIONS:
+            advance(
+                self.kv_staged.labels(self.model_name, engine, direction),
+                f"kv_staged_{direction}_bytes",
             )

@@ -28,7 +28,10 @@ Counters are totals since warmup (serving steps only; warmup's own runs are not 
   work its buckets ran (prefill tokens, decode sequences, decode KV blocks);
 - gauges ``warmup_seconds`` and ``graphs`` (captured HPU graphs; 0 until the runner has graphs);
 - under torch.compile, ``compiled_graphs_{warmup,serving}`` (graphs dynamo compiled; one while
-  serving is a recompile: a guard that failed) and ``graph_breaks_{warmup,serving}``.
+  serving is a recompile: a guard that failed) and ``graph_breaks_{warmup,serving}``;
+- ``kv_staged_{to_host,to_device}_bytes``: KV cache bytes the NIXL connector's host staging
+  copied out of the KV cache (prefill side) and into it (decode side), counted by the platform's
+  ``swap_out_blocks_to_host`` / ``insert_blocks_to_device`` (0 without host staging).
 
 Pure Python (no torch, no vllm): the arithmetic is tested without an engine.
 """
@@ -65,6 +68,8 @@ FIELDS: tuple[str, ...] = (
     "compiled_graphs_serving",
     "graph_breaks_warmup",
     "graph_breaks_serving",
+    "kv_staged_to_host_bytes",
+    "kv_staged_to_device_bytes",
 )
 # torch.compile's counts per phase (see runner/compiled.py), each a "<what>_<phase>" of FIELDS.
 COMPILE_PHASES: tuple[str, ...] = ("warmup", "serving")
@@ -82,7 +87,7 @@ _PT_REAL, _PT_PAD, _DB_REAL, _DB_PAD, _DK_REAL, _DK_PAD = (
 # A magic number and a layout version lead the file, so a reader never trusts a foreign file;
 # then the writer's pid, so that files left by killed workers can be swept.
 _MAGIC = 0x48505553  # "HPUS"
-_VERSION = 3
+_VERSION = 4
 _HEADER = struct.Struct("<IIQ")
 _PREFIX = "vllm-gaudi-metrics-"
 SIZE = _HEADER.size + 8 * len(FIELDS)
@@ -141,10 +146,24 @@ def padding_ratio(real: float, padded: float) -> float:
     return (padded - real) / real if real > 0 else 0.0
 
 
+# Directions of the KV host staging copies, each a "kv_staged_<direction>_bytes" of FIELDS.
+STAGING_DIRECTIONS: tuple[str, ...] = ("to_host", "to_device")
+# The process's counters: the last StepMetrics created (one model runner per worker process).
+# The platform's staging hooks are called by vLLM's connector, which knows no runner.
+_active: StepMetrics | None = None
+
+
+def count_staged(direction: str, nbytes: int) -> None:
+    """Add KV bytes copied by host staging (`direction`: "to_host" or "to_device")."""
+    if _active is not None:
+        _active._values[_INDEX[f"kv_staged_{direction}_bytes"]] += nbytes
+
+
 class StepMetrics:
     """The worker's counters, stored straight into a float64 array (a mapped file or memory)."""
 
     def __init__(self, path: Path | None = None) -> None:
+        global _active
         self.path = path
         self._mm: mmap.mmap | None = None
         if path is None:
@@ -162,6 +181,7 @@ class StepMetrics:
             atexit.register(self.close)
         _HEADER.pack_into(buf, 0, _MAGIC, _VERSION, os.getpid())
         self._values = buf[_HEADER.size :].cast("d")
+        _active = self
 
     def __getitem__(self, name: str) -> float:
         return self._values[_INDEX[name]]
@@ -200,6 +220,9 @@ class StepMetrics:
 
     def close(self) -> None:
         """Unmap and remove the file (the worker is going away)."""
+        global _active
+        if _active is self:
+            _active = None
         if self._mm is None:
             return
         self._values.release()

@@ -36,6 +36,9 @@ class HpuBackend(Protocol):
     COMPILE_BACKEND: str  # torch.compile backend for vLLM's simple compile ("hpu_backend")
     PIN_MEMORY: bool  # whether pinned host buffers help host-to-device copies
     SHARED_HOST_MEMORY: bool  # host and device tensors are the same memory (no copy needed)
+    # NIXL memory type under which device tensors (the KV cache) are registered for transfers
+    # straight from device memory: "VRAM" (Gaudi HBM), or "DRAM" where the device is emulated.
+    NIXL_DEVICE_MEMORY: str
     ROPE_BLOCKWISE: int  # apply_rotary_pos_emb mode: rotate halves (GPT-NeoX style)
     ROPE_PAIRWISE: int  # apply_rotary_pos_emb mode: rotate adjacent pairs (GPT-J style)
     MOE_ACTIVATIONS: tuple[str, ...]  # activations mixture_of_experts accepts

@@ -64,6 +64,7 @@ DIST_BACKEND = "gloo"
 COMPILE_BACKEND = "eager"
 PIN_MEMORY = False  # host and "device" are one memory: pinning buys nothing
 SHARED_HOST_MEMORY = True
+NIXL_DEVICE_MEMORY = "DRAM"  # the emulated device memory is host memory
 
 
 # ----------------------------------------------------------------------------- fused kernels

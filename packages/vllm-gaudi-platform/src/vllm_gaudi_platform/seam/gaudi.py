@@ -33,6 +33,7 @@ COMPILE_BACKEND = "hpu_backend"
 # is_pin_memory_available() with False.
 PIN_MEMORY = False
 SHARED_HOST_MEMORY = False
+NIXL_DEVICE_MEMORY = "VRAM"
 
 
 def torch_device(index: int = 0) -> torch.device:
