@@ -177,64 +177,31 @@ def deployment(tmp_path_factory) -> Iterator[Deployment]:
     logs = tmp_path_factory.mktemp("1p1d")
     extra = {"kv_connector_extra_config": {"kv_lease_duration": LEASE_S}}
 
-    def side_channel(**extra: str) -> dict[str, str]:
-        return cluster.base_env({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port()), **extra})
+    def instance(name: str, role: str, env: dict[str, str] | None = None, **kw) -> cluster.Server:
+        """A vLLM server with HpuNixlConnector as `role`, on its own side-channel port; `kw`:
+        --kv-transfer-config fields, and `extra_args` for the command line."""
+        args = kw.pop("extra_args", None)
+        return cluster.start_vllm(
+            name,
+            model,
+            logs,
+            kv_config=cluster.kv_transfer_config(role, **kw),
+            env=cluster.base_env(
+                {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port()), **(env or {})}
+            ),
+            dtype=DTYPE,
+            extra_args=args,
+        )
 
     single = cluster.start_vllm("single", model, logs, dtype=DTYPE)
-    prefill = cluster.start_vllm(
-        "prefill",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config("kv_producer", **extra),
-        env=side_channel(),
-        dtype=DTYPE,
-    )
-    decode = cluster.start_vllm(
-        "decode",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config(
-            "kv_consumer", kv_load_failure_policy="recompute", **extra
-        ),
-        env=side_channel(),
-        dtype=DTYPE,
-    )
-    fp8_prefill = cluster.start_vllm(
-        "fp8-prefill",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config("kv_producer"),
-        env=side_channel(),
-        dtype=DTYPE,
-        extra_args=_fp8_args(),
-    )
+    prefill = instance("prefill", "kv_producer", **extra)
+    decode = instance("decode", "kv_consumer", kv_load_failure_policy="recompute", **extra)
+    fp8_prefill = instance("fp8-prefill", "kv_producer", extra_args=_fp8_args())
     # vLLM's default kv_load_failure_policy ("fail"): a refused handshake fails the request.
-    fp8_decode = cluster.start_vllm(
-        "fp8-decode",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config("kv_consumer"),
-        env=side_channel(),
-        dtype=DTYPE,
-        extra_args=_fp8_args(),
-    )
+    fp8_decode = instance("fp8-decode", "kv_consumer", extra_args=_fp8_args())
     direct = {"VLLM_NIXL_DEVICE_TO_DEVICE": "true"}
-    direct_prefill = cluster.start_vllm(
-        "direct-prefill",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config("kv_producer", kv_buffer_device="hpu"),
-        env=side_channel(**direct),
-        dtype=DTYPE,
-    )
-    direct_decode = cluster.start_vllm(
-        "direct-decode",
-        model,
-        logs,
-        kv_config=cluster.kv_transfer_config("kv_consumer", kv_buffer_device="hpu"),
-        env=side_channel(**direct),
-        dtype=DTYPE,
-    )
+    direct_prefill = instance("direct-prefill", "kv_producer", direct, kv_buffer_device="hpu")
+    direct_decode = instance("direct-decode", "kv_consumer", direct, kv_buffer_device="hpu")
     proxy = cluster.start_proxy([prefill.url], [decode.url], logs, PROXY_TIMEOUT_S)
     pairs = [prefill, decode, fp8_prefill, fp8_decode, direct_prefill, direct_decode]
     servers = [single, *pairs, proxy]

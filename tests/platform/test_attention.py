@@ -79,10 +79,13 @@ def _run(
     sinks=None,
     alibi=None,
     split=False,
+    layers=1,
 ):
     """Run one step through the backend; return its outputs and the reference per request.
     With `split`, a mixed step runs as the runner runs it: a decode pass, then a prefill pass,
-    each over its own tokens with its part's metadata."""
+    each over its own tokens with its part's metadata. With `layers`, that many layers of the
+    same kind run the (unsplit) step one after another on its one metadata, as a model's
+    layers do; the last layer's output is returned."""
     from vllm_gaudi_platform.attention.metadata import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -151,7 +154,8 @@ def _run(
             impl.forward(None, pq, pk, pv, kv_cache, part_md, part_out)
             out[t] = part_out[: len(t)]
     else:
-        impl.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
+        for layer in [impl] + [_impl(window, softcap, sinks, alibi) for _ in range(layers - 1)]:
+            layer.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
     refs = [
         _reference(
             queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap, sinks, alibi

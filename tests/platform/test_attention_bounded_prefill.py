@@ -8,7 +8,8 @@ Gaudi), each checked against the float64 per-sequence reference of test_attentio
   tensor spans more than one slice of queries, and any slice length gives the unsliced result;
 - a windowed layer gathers only window_blocks(window, block) context blocks per prefill row and
   keeps only batch x window_blocks decode blocks, with the result of the full gather;
-- the emulated causal SDPA tiles over queries instead of building a [q_len, kv_len] mask.
+- the emulated causal SDPA tiles over queries instead of building a [q_len, kv_len] mask;
+- a step's masks are built by its first layer and reused by the later ones (within a budget).
 """
 
 from __future__ import annotations
@@ -171,7 +172,9 @@ def test_windowed_prefill_gather_count_comes_from_bucket_and_window(monkeypatch,
     for query_lens, ctx_lens in [([9, 16], [100, 57]), ([3, 2], [20, 97]), ([16, 16], [0, 0])]:
         _run(query_lens, ctx_lens, plan, window=20)
     wb = attention.window_blocks(20, BLOCK)
-    assert seen == [(20, (2, wb), wb * BLOCK + 16)] * 3
+    # Asked by the layer and by its slice masks; the same narrowed shape every time.
+    assert len(seen) >= 3
+    assert set(seen) == {(20, (2, wb), wb * BLOCK + 16)}
 
 
 def test_packed_prefill_with_context_gathers_every_block_and_stays_exact(hpu_backend):
@@ -249,3 +252,61 @@ def test_emulated_causal_sdpa_tiles_queries_and_matches_float64(monkeypatch, len
     ref = (scores.softmax(-1) @ vd).float()
     for b, n in enumerate(lengths):
         torch.testing.assert_close(out[b, :, :n], ref[b, :, :n], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- masks per step
+def _mask_builds(monkeypatch, attention) -> list[tuple[int, int, int | None]]:
+    """Every slice mask built: (q0, q1, window)."""
+    builds = []
+    real = attention.HPUAttentionMetadata._build_slice_mask
+
+    def count(self, q0, q1, window, block_size):
+        builds.append((q0, q1, window))
+        return real(self, q0, q1, window, block_size)
+
+    monkeypatch.setattr(attention.HPUAttentionMetadata, "_build_slice_mask", count)
+    return builds
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_slice_masks_are_built_once_per_step_and_shared_by_every_layer(
+    monkeypatch, sdpa_calls, attention, window
+):
+    monkeypatch.setenv(envs.VLLM_PREFILL_QUERY_SLICE, "16")
+    builds = _mask_builds(monkeypatch, attention)
+    plan = _plan(prompt=[(2, 32, 4)])
+    out, ref, _ = _run([7, 30], [40, 19], plan, window=window, layers=4)
+
+    torch.testing.assert_close(out, ref, **TOL)
+    assert builds == [(0, 16, window), (16, 32, window)]  # 2 slices, not 2 x 4 layers
+    masks = [call["attn_mask"] for call in sdpa_calls]
+    assert len(masks) == 8
+    # Layer after layer, each slice reads the very tensor the first layer built.
+    assert all(masks[i] is masks[i % 2] for i in range(8))
+
+
+def test_alibi_masks_are_shared_by_layers_with_the_same_slopes_only(sdpa_calls):
+    from tests.platform.test_attention import SLOPES, _impl
+
+    out, ref, _ = _run([5, 17], [40, 0], _plan(prompt=[(2, 32, 4)]), alibi=SLOPES, layers=3)
+    torch.testing.assert_close(out, ref, **TOL)
+    first, *later = [call["attn_mask"] for call in sdpa_calls]
+    assert len(later) == 2 and all(mask is first for mask in later)
+    # The key that shares a mask is the slopes' values: other slopes build their own.
+    assert _impl(alibi=SLOPES)._alibi_key == _impl(alibi=list(SLOPES))._alibi_key
+    assert _impl(alibi=[s / 2 for s in SLOPES])._alibi_key != _impl(alibi=SLOPES)._alibi_key
+
+
+def test_masks_past_the_budget_are_built_per_layer_with_the_same_result(
+    monkeypatch, sdpa_calls, attention
+):
+    monkeypatch.setenv(envs.VLLM_PREFILL_QUERY_SLICE, "16")
+    plan = _plan(prompt=[(2, 32, 4)])
+    shared, ref, _ = _run([7, 30], [40, 19], plan, seed=3, layers=3)
+    monkeypatch.setattr(attention, "SHARED_MASK_BYTES", 0)
+    builds = _mask_builds(monkeypatch, attention)
+    unshared, _, _ = _run([7, 30], [40, 19], plan, seed=3, layers=3)
+
+    assert len(builds) == 2 * 3  # every layer builds its own
+    torch.testing.assert_close(unshared, shared, rtol=0, atol=0)
+    torch.testing.assert_close(shared, ref, **TOL)

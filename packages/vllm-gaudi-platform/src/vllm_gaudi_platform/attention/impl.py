@@ -43,6 +43,25 @@ def alibi_bias(slopes: torch.Tensor, rel_pos: torch.Tensor) -> torch.Tensor:
     return slopes.view(-1, 1, 1) * rel_pos.unsqueeze(-3).float()
 
 
+def _key_padding_bias(md: HPUAttentionMetadata, qb: int, q: torch.Tensor) -> torch.Tensor:
+    """Encoder-only, one sequence per row: [rows, 1, 1, keys], 0 for a row's own keys, the
+    dtype's lowest value for padding (an additive bias in the query's dtype, as Gaudi's kernel
+    takes masks; finite, so an all-padding row stays finite and is discarded)."""
+    assert md.prefill_valid_lens is not None
+    padded = torch.arange(qb, device=q.device)[None, :] >= md.prefill_valid_lens[:, None]
+    bias = torch.zeros(padded.shape, dtype=q.dtype, device=q.device)
+    bias.masked_fill_(padded, torch.finfo(q.dtype).min)
+    return bias[:, None, None, :]
+
+
+def _same_sequence_mask(md: HPUAttentionMetadata, qb: int, q0: int, q1: int) -> torch.Tensor:
+    """Encoder-only, packed rows: query cells q0..q1 attend the new-token key columns of their
+    own sequence (a padding cell sees only its own key); [rows, 1, q1 - q0, qb]."""
+    assert md.prefill_q_seq is not None and md.prefill_k_seq is not None
+    k_seq = md.prefill_k_seq[:, -qb:]  # the new tokens' key columns (there is no context)
+    return (md.prefill_q_seq[:, q0:q1, None] == k_seq[:, None, :])[:, None]
+
+
 class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
     def __init__(
         self,
@@ -99,6 +118,8 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         self.alibi_slopes = (
             torch.tensor(alibi_slopes, dtype=torch.float32) if alibi_slopes is not None else None
         )
+        # Layers with the same slopes share a step's ALiBi masks.
+        self._alibi_key = tuple(alibi_slopes) if alibi_slopes is not None else None
         # gpt-oss style: one learned logit per head joins every softmax denominator. The layer's
         # parameter itself (weights load into it after this constructor runs).
         self.sinks = sinks
@@ -227,23 +248,15 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         q = q.view(rows, qb, h, d).transpose(1, 2)
         k = k.reshape(rows, qb, hk, d).transpose(1, 2)
         v = v.reshape(rows, qb, hk, d).transpose(1, 2)
+        # Masks are built by the step's first layer and shared by the others (metadata.derived).
         if not md.prefill_packed:
-            # [rows, 1, 1, keys]: 0 for a row's own keys, the dtype's lowest value for padding
-            # (an additive bias in the query's dtype, as Gaudi's kernel takes masks; finite, so
-            # an all-padding row stays finite and is discarded).
-            padded = torch.arange(qb, device=q.device)[None, :] >= md.prefill_valid_lens[:, None]
-            bias = torch.zeros(padded.shape, dtype=q.dtype, device=q.device)
-            bias.masked_fill_(padded, torch.finfo(q.dtype).min)
-            out = self.seam.fused_sdpa(
-                q, k, v, attn_mask=bias[:, None, None, :], is_causal=False, scale=self.scale
-            )
+            bias = md.derived(("encoder_bias", q.dtype), _key_padding_bias, md, qb, q)
+            out = self.seam.fused_sdpa(q, k, v, attn_mask=bias, is_causal=False, scale=self.scale)
             return out.transpose(1, 2).reshape(rows * qb, h, d)
-        assert md.prefill_q_seq is not None and md.prefill_k_seq is not None
-        k_seq = md.prefill_k_seq[:, -qb:]  # the new tokens' key columns (there is no context)
         out = torch.empty_like(q)
         for q0 in range(0, qb, self.query_slice):
             q1 = min(q0 + self.query_slice, qb)
-            mask = (md.prefill_q_seq[:, q0:q1, None] == k_seq[:, None, :])[:, None]
+            mask = md.derived(("encoder_mask", q0, q1), _same_sequence_mask, md, qb, q0, q1)
             out[:, :, q0:q1] = self.seam.fused_sdpa(
                 q[:, :, q0:q1], k, v, attn_mask=mask, scale=self.scale
             )
@@ -295,7 +308,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                 sinks=self.sinks,
             )
             return out.transpose(1, 2).reshape(rows * qb, h, d)
-        blocks, k_seq, k_pos = md.prefill_keys_for(window, block_size)
+        blocks, _, _ = md.prefill_keys_for(window, block_size)
         n_ctx = blocks.shape[1] * block_size
         if n_ctx:
             # One gather of whole blocks (keys and values together), then split.
@@ -313,16 +326,23 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         # Slices of the query bucket (counts and sizes fixed by the bucket): a slice's mask and
         # scores are [rows, heads, slice, keys]. New-token keys after a slice's last column are in
         # every query's future, so each slice reads keys up to its own end only.
+        # Masks are built by the step's first layer and shared by the others (metadata.derived).
         step = self.query_slice
         for q0 in range(0, qb, step):
             q1 = min(q0 + step, qb)
             keys = n_ctx + q1
-            mask = md.prefill_slice_mask(q0, q1, k_seq[:, :keys], k_pos[:, :keys], window)
-            if slopes is not None:
-                # Additive mask: the ALiBi bias where attended, -inf elsewhere.
-                assert md.prefill_q_pos is not None
-                rel = k_pos[:, None, :keys] - md.prefill_q_pos[:, q0:q1, None]
-                mask = alibi_bias(slopes, rel).masked_fill(~mask, float("-inf"))
+            if slopes is None:
+                mask = md.prefill_slice_mask(q0, q1, window, block_size)
+            else:
+                mask = md.derived(
+                    ("prefill_alibi", self._alibi_key, window, q0, q1),
+                    self._alibi_slice_mask,
+                    md,
+                    q0,
+                    q1,
+                    window,
+                    block_size,
+                )
             qs, ks, vs = q[:, :, q0:q1], k[:, :, :keys], v[:, :, :keys]
             if cap is None:
                 out[:, :, q0:q1] = self.seam.fused_sdpa(
@@ -331,6 +351,15 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
             else:
                 out[:, :, q0:q1] = _softcapped_attention(qs, ks, vs, mask, self.scale, cap)
         return out.transpose(1, 2).reshape(rows * qb, h, d)
+
+    def _alibi_slice_mask(self, md, q0: int, q1: int, window, block_size: int) -> torch.Tensor:
+        """Additive mask of a prefill query slice: the ALiBi bias where attended, -inf
+        elsewhere ([rows, heads, q1 - q0, keys], float32)."""
+        assert md.prefill_q_pos is not None and self.alibi_slopes is not None
+        mask = md.prefill_slice_mask(q0, q1, window, block_size)
+        _, _, k_pos = md.prefill_keys_for(window, block_size)
+        rel = k_pos[:, None, : mask.shape[-1]] - md.prefill_q_pos[:, q0:q1, None]
+        return alibi_bias(self.alibi_slopes, rel).masked_fill(~mask, float("-inf"))
 
     def _decode(self, q, blocks_view, block_size, md, layer=None):
         bsz = md.layout.decode.batch_bucket

@@ -1,9 +1,12 @@
 """The HPU attention metadata: the index tensors one step's attention reads, all of shapes fixed
 by the step's buckets, and how they are built from the step layout (`step_layout.py`).
 
-- `HPUAttentionMetadata`: the step's tensors, and per layer the narrowing of the block gathers to
-  a sliding window (`prefill_keys_for`, `decode_blocks_for`, bounded by `window_blocks`) and the
-  boolean mask of each prefill query slice (`prefill_slice_mask`);
+- `HPUAttentionMetadata`: the step's tensors, and what the layers derive from them: the narrowing
+  of the block gathers to a sliding window (`prefill_keys_for`, `decode_blocks_for`, bounded by
+  `window_blocks`), the boolean mask of each prefill query slice (`prefill_slice_mask`), and
+  any other per-step mask (`derived`). Each is built by the first layer that asks and reused by
+  every later layer of the step with the same parameters, so the mask work of a step does not
+  grow with the number of layers;
 - `build_metadata`: a planned `StepLayout` turned into those tensors, vectorized in numpy on the
   host, every step; `HPUAttentionMetadataBuilder` is vLLM's way in.
 
@@ -12,14 +15,21 @@ The decoder attention (`impl.py`) and latent attention (`mla.py`) both read this
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 
 from vllm_gaudi_platform.attention import step_layout
+
+T = TypeVar("T")
+# Largest total of per-step masks kept for the later layers of a step (HPUAttentionMetadata.
+# derived). Masks of one prefill slice are [rows, 1, slice, keys] booleans (float32 per head
+# with ALiBi): the budget holds every slice of prompts up to several thousand tokens.
+SHARED_MASK_BYTES = 256 << 20
 
 
 @dataclass
@@ -62,11 +72,31 @@ class HPUAttentionMetadata:
     # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
     # decode pass's own metadata, each laid out over its own tokens only.
     parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
-    # Per (part, window): the narrowed gather of that window, built on first use; ("decode", 0)
-    # holds the unwindowed decode slot bias, built from decode_block_usage.
-    _windowed: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    # Tensors the layers derive from the fields above, built by the first layer that asks and
+    # shared by the later ones (see `derived`): per (part, window) the narrowed gather of that
+    # window (("decode", 0) holds the unwindowed decode slot bias), the prefill slice masks, and
+    # the masks impl.py builds itself (ALiBi, encoder-only). Rebuilt when the fields change
+    # (graph replays clear it).
+    _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+    def derived(self, key: tuple[Any, ...], build: Callable[..., T], *args: Any) -> T:
+        """The step's tensor named `key`, built by `build(*args)` the first time a layer asks
+        and kept for the later layers while the step's kept masks stay within
+        SHARED_MASK_BYTES; past that (the slices of a very long prompt), each layer builds its
+        own, so a prefill still holds one slice's mask at a time beyond the budget."""
+        if key in self._derived:
+            return self._derived[key]
+        value = build(*args)
+        if isinstance(value, torch.Tensor):
+            kept = sum(
+                v.numel() * v.element_size()
+                for v in self._derived.values()
+                if isinstance(v, torch.Tensor)
+            )
+            if kept + value.numel() * value.element_size() > SHARED_MASK_BYTES:
+                return value
+        self._derived[key] = value
+        return value
 
     def prefill_causal_only(self) -> bool:
         """True when plain causal attention over each row's own new tokens is the whole mask:
@@ -95,7 +125,7 @@ class HPUAttentionMetadata:
         if keep == cb:
             return blocks, k_seq, k_pos
         key = ("prefill", window)
-        if key not in self._windowed:
+        if key not in self._derived:
             # A row's sequence owns slots [0, n); the blocks wholly behind the window are a prefix
             # of those. Start after that prefix, moved left so the slice stays inside the bucket.
             lag = self.prefill_ctx_lag
@@ -108,20 +138,30 @@ class HPUAttentionMetadata:
             new = slice(cb * block_size, None)
             sel_seq = torch.cat([k_seq.gather(1, cols), k_seq[:, new]], dim=1)
             sel_pos = torch.cat([k_pos.gather(1, cols), k_pos[:, new]], dim=1)
-            self._windowed[key] = (chosen, sel_seq, sel_pos)
-        return self._windowed[key]
+            self._derived[key] = (chosen, sel_seq, sel_pos)
+        return self._derived[key]
 
     def prefill_slice_mask(
-        self, q0: int, q1: int, k_seq: torch.Tensor, k_pos: torch.Tensor, window: int | None
+        self, q0: int, q1: int, window: int | None, block_size: int
     ) -> torch.Tensor:
-        """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the given key
-        columns: same owner, not in the future, and (with a window) fewer than `window`
-        positions behind."""
+        """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the key columns
+        of `prefill_keys_for(window)` up to the slice's last new token: same owner, not in the
+        future, and (with a window) fewer than `window` positions behind. Built once per step
+        for each slice and window."""
+        return self.derived(
+            ("prefill_mask", window, q0, q1), self._build_slice_mask, q0, q1, window, block_size
+        )
+
+    def _build_slice_mask(
+        self, q0: int, q1: int, window: int | None, block_size: int
+    ) -> torch.Tensor:
         assert self.prefill_q_seq is not None and self.prefill_q_pos is not None
+        blocks, k_seq, k_pos = self.prefill_keys_for(window, block_size)
+        keys = blocks.shape[1] * block_size + q1
         q_seq = self.prefill_q_seq[:, q0:q1, None]
         q_pos = self.prefill_q_pos[:, q0:q1, None]
-        k_pos = k_pos[:, None, :]
-        mask = (q_seq == k_seq[:, None, :]) & (k_pos <= q_pos)
+        k_pos = k_pos[:, None, :keys]
+        mask = (q_seq == k_seq[:, None, :keys]) & (k_pos <= q_pos)
         if window is not None:
             mask &= q_pos - k_pos < window
         return mask[:, None]
@@ -146,14 +186,14 @@ class HPUAttentionMetadata:
         )
         assert blocks is not None and groups is not None and usage is not None
         key = ("decode", window or 0)
-        if key in self._windowed:
-            return self._windowed[key]
+        if key in self._derived:
+            return self._derived[key]
         slot = torch.arange(block_size, device=usage.device)
         if window is None:
             bias = torch.zeros(usage.numel(), block_size, device=usage.device)
             bias.masked_fill_(slot[None, :] >= usage[:, None], float("-inf"))
-            self._windowed[key] = (blocks, groups, bias)
-            return self._windowed[key]
+            self._derived[key] = (blocks, groups, bias)
+            return self._derived[key]
         _, _, bias = self.decode_blocks_for(None, batch_bucket, block_size)
         assert self.decode_block_start is not None and self.decode_query_pos is not None
         nb = bias.shape[0]
@@ -173,8 +213,8 @@ class HPUAttentionMetadata:
             pad = ~inside[order]
             groups = groups.masked_fill(pad, batch_bucket)
             bias = bias.masked_fill(pad[:, None], float("-inf"))
-        self._windowed[key] = (blocks, groups, bias)
-        return self._windowed[key]
+        self._derived[key] = (blocks, groups, bias)
+        return self._derived[key]
 
 
 _UNUSED_LAG = 1 << 40  # prefill_ctx_lag of context slots no sequence uses

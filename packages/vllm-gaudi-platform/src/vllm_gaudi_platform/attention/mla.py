@@ -279,7 +279,7 @@ class HPUMLAImpl(MLAAttentionImpl[HPUAttentionMetadata]):
         width = latent_new.shape[-1]
         q = q.view(rows, qb, self.num_heads, width).transpose(1, 2)  # [rows, N, qb, W]
         keys = latent_new.view(rows, qb, width)
-        blocks, k_seq, k_pos = md.prefill_keys_for(None, block_size)
+        blocks, _, _ = md.prefill_keys_for(None, block_size)
         n_ctx = blocks.shape[1] * block_size
         if n_ctx:
             ctx = cache.index_select(0, blocks.reshape(-1)).view(rows, n_ctx, width)
@@ -290,7 +290,7 @@ class HPUMLAImpl(MLAAttentionImpl[HPUAttentionMetadata]):
         for q0 in range(0, qb, self.query_slice):
             q1 = min(q0 + self.query_slice, qb)
             end = n_ctx + q1
-            mask = md.prefill_slice_mask(q0, q1, k_seq[:, :end], k_pos[:, :end], None)
+            mask = md.prefill_slice_mask(q0, q1, None, block_size)
             out[:, :, q0:q1] = self.seam.mla_prefill(
                 q[:, :, q0:q1], keys[:, :end], mask, self.scale, self.kv_lora_rank
             )

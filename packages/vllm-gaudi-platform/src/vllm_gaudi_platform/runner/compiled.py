@@ -329,6 +329,6 @@ def bucket_shaped(md: Any) -> Any:
         slot_mapping=slots,
         num_actual_tokens=total,
         identity_layout=False,
-        _windowed={},
+        _derived={},
         parts=parts,
     )

@@ -44,7 +44,7 @@ _FIXED_FIELDS = {
     "num_actual_tokens",
     "identity_layout",
     "slot_mapping",
-    "_windowed",
+    "_derived",
     "parts",  # a graph covers one part; a mixed step replays one graph per part
 }
 
@@ -70,7 +70,7 @@ def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
         if f.name not in _FIXED_FIELDS and isinstance(value := getattr(md, f.name), torch.Tensor)
     }
     return dataclasses.replace(
-        md, **own, slot_mapping=slots, num_actual_tokens=total, identity_layout=False, _windowed={}
+        md, **own, slot_mapping=slots, num_actual_tokens=total, identity_layout=False, _derived={}
     )
 
 
@@ -117,7 +117,7 @@ def copy_metadata(
     n = step.num_actual_tokens
     static.slot_mapping[:n].copy_(step.slot_mapping[:n])
     static.slot_mapping[n:].zero_()
-    static._windowed.clear()  # derived masks: recomputed from the updated positions
+    static._derived.clear()  # derived masks: recomputed from the updated positions
     free = _branch_free_fields(static, packing_matters)
     for f in dataclasses.fields(static):
         if f.name in _FIXED_FIELDS or f.name in free:
