@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from vllm_gaudi_platform.testing import trainedmodel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,14 +44,7 @@ FORMATS = {
 }
 INC_FP8 = "inc fp8 (calibrated)"
 CALIBRATION_SAMPLES = 64
-ENGINE: dict[str, Any] = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 64 << 20,
-    "seed": 0,
-}
+ENGINE = trainedmodel.ENGINE_ARGS
 
 
 def _score(

@@ -237,8 +237,19 @@ class Run:
     failed_transfers: float
 
 
-def _staged(server: cluster.Server, direction: str) -> float:
-    return _settled(server.url, STAGED, direction=direction)
+def _counters(prefill: cluster.Server, decode: cluster.Server) -> tuple[float, float, float]:
+    """Bytes so far: NIXL moved to the decode instance, staged out of the prefill instance's KV
+    cache, staged into the decode instance's."""
+    return (
+        _settled(decode.url, BYTES),
+        _settled(prefill.url, STAGED, direction="to_host"),
+        _settled(decode.url, STAGED, direction="to_device"),
+    )
+
+
+def _blocks(before: tuple[float, ...], after: tuple[float, ...], block_bytes: int) -> list[float]:
+    """Each counter's growth from `before` to `after`, in KV blocks."""
+    return [(a - b) / block_bytes for b, a in zip(before, after)]
 
 
 @pytest.fixture(scope="module")
@@ -246,21 +257,14 @@ def disaggregated(deployment: Deployment) -> Run:
     """The 16 prompts through the proxy, one after another."""
     prefill, decode = deployment.prefill, deployment.decode
     outputs, moved, staged_out, staged_in = [], [], [], []
-    before = (
-        _settled(decode.url, BYTES),
-        _staged(prefill, "to_host"),
-        _staged(decode, "to_device"),
-    )
+    before = _counters(prefill, decode)
     for prompt in PROMPTS:
         outputs.append(_token_ids(_complete(deployment.proxy.url, prompt)))
-        after = (
-            _settled(decode.url, BYTES),
-            _staged(prefill, "to_host"),
-            _staged(decode, "to_device"),
-        )
-        moved.append((after[0] - before[0]) / BLOCK_BYTES)
-        staged_out.append((after[1] - before[1]) / BLOCK_BYTES)
-        staged_in.append((after[2] - before[2]) / BLOCK_BYTES)
+        after = _counters(prefill, decode)
+        for blocks, total in zip(
+            _blocks(before, after, BLOCK_BYTES), (moved, staged_out, staged_in)
+        ):
+            total.append(blocks)
         before = after
     return Run(outputs, moved, staged_out, staged_in, cluster.metric_sum(decode.url, FAILED))
 
@@ -309,22 +313,13 @@ def test_an_fp8_kv_cache_goes_through_host_staging_unchanged(deployment):
     prefill, decode = deployment.fp8_prefill, deployment.fp8_decode
     expected = _blocks_missing(FP8_PROMPTS, FP8_BLOCK_SIZE)
     moved, out, into, differ = [], [], [], []
-    before = (
-        _settled(decode.url, BYTES),
-        _staged(prefill, "to_host"),
-        _staged(decode, "to_device"),
-    )
+    before = _counters(prefill, decode)
     for prompt in FP8_PROMPTS:
         params = _prefill_only(prefill, prompt)
         ours = _complete(decode.url, prompt, kv_transfer_params=params, logprobs=1)
-        after = (
-            _settled(decode.url, BYTES),
-            _staged(prefill, "to_host"),
-            _staged(decode, "to_device"),
-        )
-        moved.append((after[0] - before[0]) / FP8_BLOCK_BYTES)
-        out.append((after[1] - before[1]) / FP8_BLOCK_BYTES)
-        into.append((after[2] - before[2]) / FP8_BLOCK_BYTES)
+        after = _counters(prefill, decode)
+        for blocks, total in zip(_blocks(before, after, FP8_BLOCK_BYTES), (moved, out, into)):
+            total.append(blocks)
         before = after
         reference = _complete(prefill.url, prompt, logprobs=1)
         if _token_ids(ours) != _token_ids(reference) or not all(
@@ -338,6 +333,30 @@ def test_an_fp8_kv_cache_goes_through_host_staging_unchanged(deployment):
     assert cluster.metric_sum(decode.url, FAILED) == 0
 
 
+HANDSHAKE_TIMEOUT = "handshake_setup_failed"  # vLLM's log of a handshake without an answer
+
+
+def _disaggregated_once_more_after_a_handshake_timeout(
+    prefill: cluster.Server, decode: cluster.Server, prompt: list[int]
+) -> httpx.Response:
+    """Prefill `prompt` on `prefill`, then complete it on `decode` from the transferred blocks.
+
+    vLLM waits 5 s (fixed) for a remote instance's handshake answer; once in three runs on a
+    2-core machine serving eight instances, the device-to-device pair's first handshake got none
+    in time and the request failed (nothing was moved). That one case is tried once more, after
+    a fresh prefill; anything else fails the test."""
+    log_before = len(decode.log.read_text(errors="replace"))
+    params = _prefill_only(prefill, prompt)
+    answer = _complete(decode.url, prompt, kv_transfer_params=params)
+    if (
+        answer.status_code == 500
+        and HANDSHAKE_TIMEOUT in decode.log.read_text(errors="replace")[log_before:]
+    ):
+        params = _prefill_only(prefill, prompt)
+        answer = _complete(decode.url, prompt, kv_transfer_params=params)
+    return answer
+
+
 def test_device_to_device_moves_the_kv_cache_without_staging(deployment):
     """kv_buffer_device "hpu" with VLLM_NIXL_DEVICE_TO_DEVICE=true, the path vLLM offers a Gaudi
     besides host staging: NIXL reads the prefill instance's KV cache straight into the decode
@@ -348,8 +367,9 @@ def test_device_to_device_moves_the_kv_cache_without_staging(deployment):
     outputs, moved = [], []
     before = _settled(decode.url, BYTES)
     for prompt in prompts:
-        params = _prefill_only(prefill, prompt)
-        outputs.append(_token_ids(_complete(decode.url, prompt, kv_transfer_params=params)))
+        outputs.append(
+            _token_ids(_disaggregated_once_more_after_a_handshake_timeout(prefill, decode, prompt))
+        )
         after = _settled(decode.url, BYTES)
         moved.append((after - before) / BLOCK_BYTES)
         before = after

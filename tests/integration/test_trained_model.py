@@ -38,14 +38,7 @@ def windows(model) -> list[list[int]]:
     return trainedmodel.heldout_windows(model, WINDOWS)
 
 
-ENGINE = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "kv_cache_memory_bytes": 64 << 20,
-    "seed": 0,
-}
+ENGINE = trainedmodel.ENGINE_ARGS
 # FP8 W8A8 over float, held-out perplexity (benchmarks/quant_perplexity.py measured 1.0015 on
 # this model). Why not greedy tokens on the random tiny models: there FP8 activation rounding
 # flips near-tied logits, and 6 to 10 of the 10 prompts of tests/quant's engine tests leave the

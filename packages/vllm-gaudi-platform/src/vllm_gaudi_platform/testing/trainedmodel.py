@@ -75,6 +75,16 @@ from vllm_gaudi_platform.testing.tinymodels import cache_root
 
 CORPUS_SOURCE = "pydoc_data.topics (CPython documentation, PSF License Version 2)"
 HELDOUT_EVERY = 20
+# Engine settings under which the trained model's perplexity is measured (the tests and
+# benchmarks/quant_perplexity.py): full precision, room for one window per sequence.
+ENGINE_ARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 64 << 20,
+    "seed": 0,
+}
 VOCAB_SIZE = 2048
 SEED = 0
 MAX_TRAIN_THREADS = 2
