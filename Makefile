@@ -35,6 +35,8 @@ format: setup ## apply ruff fixes and formatting
 
 bench: setup ## benchmarks, side by side ratios
 	$(PY) benchmarks/bucketing.py
+	$(PY) benchmarks/gaudi_roofline.py
+	$(PY) benchmarks/moe_decode.py
 	$(PY) benchmarks/ops.py
 	$(PY) benchmarks/e2e_emulation.py
 	$(PY) benchmarks/host_overhead.py

@@ -11,7 +11,11 @@ serving) and the time to build the plan.
 Strategies: exp, lin, pad (generated from the engine limits) and fitted, twice: ``fitted`` is fitted
 to the very trace it is measured on (the step shapes a VLLM_BUCKETING_RECORD_TRACE recording of
 this load gives), ``fitted/ho`` to a trace of the same load with another seed (held out: how the
-buckets do on steps they were not fitted to). Both within the default budget: exp's graph count.
+buckets do on steps they were not fitted to). Both within the default budget: exp's graph count;
+``fitted@0.5`` (and ``fitted@0.5/ho``) within half of it (VLLM_BUCKETING_GRAPH_BUDGET). Each
+engine's summary line says which of issue 31's padding goals its rows meet; the last line is one
+JSON object of every row's figures (graphs, the four padding ratios, outside share, plan seconds)
+for scripts.
 
 The trace is seeded and simulates a simple Gaudi-style scheduler: requests arrive at random
 (Poisson), prompt and output lengths are log-normal, some prompts hit a cached prefix, prefills
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import math
 import os
 import random
@@ -36,7 +41,8 @@ from dataclasses import dataclass
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, can_pack, plan_from_env
 from vllm_gaudi_platform.observability.step_trace import TracedShape, format_line
 
-STRATEGIES = ("exp", "lin", "pad", "fitted", "fitted/ho")
+STRATEGIES = ("exp", "lin", "pad", "fitted", "fitted/ho", "fitted@0.5", "fitted@0.5/ho")
+COLUMNS = ("prompt", "ctx", "bs", "blocks")  # the padding columns, in the table's order
 
 
 @dataclass(frozen=True)
@@ -182,17 +188,33 @@ class Finder:
         return Bucket("decode", b, 1, c)  # type: ignore[arg-type]
 
 
+def graphs(m: dict[str, float]) -> int:
+    """Warmup graphs of a measured plan (``graph_count``)."""
+    return int(m["prompt_graphs"] + m["decode_graphs"] + m["packed_graphs"])
+
+
 def measure(
-    engine: Engine, strategy: str, steps: list[Step], held_out: list[Step]
+    engine: Engine,
+    strategy: str,
+    steps: list[Step],
+    held_out: list[Step],
+    exp_graphs: int | None = None,
 ) -> dict[str, float]:
+    """One row: ``strategy`` is a strategy name; ``fitted`` may carry ``@F`` (a graph budget of F
+    times ``exp_graphs``, default exp's count) and ``/ho`` (fitted to ``held_out``, measured on
+    ``steps``)."""
+    name, _, budget = strategy.split("/")[0].partition("@")
     environ = {
-        "VLLM_BUCKETING_STRATEGY": strategy.split("/")[0],
+        "VLLM_BUCKETING_STRATEGY": name,
         "VLLM_PROMPT_BS_BUCKET_MAX": str(engine.prefill_batch),
     }
+    if budget:
+        assert exp_graphs is not None, "a fractional budget needs exp's graph count"
+        environ["VLLM_BUCKETING_GRAPH_BUDGET"] = str(int(float(budget) * exp_graphs))
     with tempfile.TemporaryDirectory() as tmp:
-        if strategy.startswith("fitted"):
+        if name == "fitted":
             path = os.path.join(tmp, "trace.txt")
-            write_trace(held_out if strategy == "fitted/ho" else steps, path)
+            write_trace(held_out if strategy.endswith("/ho") else steps, path)
             environ["VLLM_BUCKETING_TRACE"] = path
         start = time.perf_counter()
         plan = plan_from_env(
@@ -250,25 +272,35 @@ def main() -> None:
     args = parser.parse_args()
 
     header = (
-        f"{'engine':<8} {'strategy':<9} {'graphs (P+D+packed)':>20} {'prompt tok pad':>15} "
+        f"{'engine':<8} {'strategy':<13} {'graphs (P+D+packed)':>20} {'prompt tok pad':>15} "
         f"{'prompt ctx pad':>15} {'decode bs pad':>14} {'decode blk pad':>15} "
         f"{'outside (P/D steps)':>20} {'plan s':>7}"
     )
     print(header)
     print("-" * len(header))
+    figures: dict[str, dict[str, dict[str, float]]] = {}
     for engine in ENGINES:
         count = args.long_requests if engine.long else args.requests
         steps = synthetic_trace(engine, args.seed, count)
         held_out = synthetic_trace(engine, args.seed + 1, count)
+        rows = figures[engine.name] = {}
+        exp_graphs = None
         for strategy in STRATEGIES:
-            m = measure(engine, strategy, steps, held_out)
+            m = measure(engine, strategy, steps, held_out, exp_graphs)
+            if strategy == "exp":
+                exp_graphs = graphs(m)
             p, d, k = m["prompt_graphs"], m["decode_graphs"], m["packed_graphs"]
-            graphs = f"{p + d + k} ({p}+{d}+{k})"
+            rows[strategy] = {
+                "graphs": graphs(m),
+                **{f"pad_{c}": round(m[f"waste_{c}"], 4) for c in COLUMNS},
+                "outside": round(m["outside"], 6),
+                "plan_seconds": round(m["plan_seconds"], 3),
+            }
             outside = f"{m['outside']:.2%} ({m['outside_prompt']}/{m['outside_decode']})"
             print(
-                f"{engine.name:<8} {strategy:<9} {graphs:>20} {m['waste_prompt']:>+15.1%} "
-                f"{m['waste_ctx']:>+15.1%} {m['waste_bs']:>+14.1%} {m['waste_blocks']:>+15.1%} "
-                f"{outside:>20} {m['plan_seconds']:>7.3f}"
+                f"{engine.name:<8} {strategy:<13} {f'{graphs(m)} ({p}+{d}+{k})':>20} "
+                f"{m['waste_prompt']:>+15.1%} {m['waste_ctx']:>+15.1%} {m['waste_bs']:>+14.1%} "
+                f"{m['waste_blocks']:>+15.1%} {outside:>20} {m['plan_seconds']:>7.3f}"
             )
         prompts = sum(s.phase == "prompt" for s in steps)
         print(
@@ -277,15 +309,32 @@ def main() -> None:
             f"max_model_len={engine.max_model_len} block_size={engine.block_size} "
             f"num_kv_blocks={engine.num_kv_blocks}\n{'':<9}"
             f"VLLM_PROMPT_BS_BUCKET_MAX={engine.prefill_batch}; {len(steps)} steps "
-            f"({prompts} prompt)"
+            f"({prompts} prompt); {goals(rows)}"
         )
     print(
         "pad = padded / real - 1 over the steps that fit a bucket (prompt ctx: batch * context\n"
         "blocks of the bucket vs of the step); outside = steps that fit no bucket (a\n"
         "multi-sequence prefill whose padded batch_size * query_len exceeds the token budget\n"
         "fits none: the runner must split it); plan s = seconds to build the plan (fitted:\n"
-        "reading the trace file and fitting). fitted: fitted to the measured trace; fitted/ho:\n"
-        "to a trace of the same load with seed + 1."
+        "reading the trace file and fitting). fitted: fitted to the measured trace within exp's\n"
+        "graph count; fitted@0.5: within half of it; /ho: fitted to a trace of the same load with\n"
+        "seed + 1 (held out) and measured on this one. Goals (issue 31): fitted <= exp/2 in every\n"
+        "column, fitted/ho <= exp, fitted@0.5 <= exp (medium and long)."
+    )
+    print(json.dumps({"bucketing": figures}, sort_keys=True))
+
+
+def goals(rows: dict[str, dict[str, float]]) -> str:
+    """Which of issue 31's padding goals an engine's rows meet, e.g. ``fitted<=exp/2 yes``."""
+    exp = rows["exp"]
+
+    def within(strategy: str, factor: float) -> str:
+        ok = all(rows[strategy][f"pad_{c}"] <= factor * exp[f"pad_{c}"] for c in COLUMNS)
+        return "yes" if ok else "no"
+
+    return (
+        f"fitted<=exp/2 {within('fitted', 0.5)}, fitted/ho<=exp {within('fitted/ho', 1)}, "
+        f"fitted@0.5<=exp {within('fitted@0.5', 1)}"
     )
 
 

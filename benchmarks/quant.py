@@ -31,6 +31,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -219,92 +220,147 @@ METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
 MOE_SHAPE = {"experts": 8, "top_k": 2, "hidden": 1024, "inter": 3584}  # Mixtral's ratios / 4
 
 
+def single_process_parallel() -> None:
+    """vLLM's parallel state for one process (its MoE layers need it), once."""
+    import socket
+
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if model_parallel_is_initialized():
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+    )
+    initialize_model_parallel(1, 1)
+
+
+def moe_layer(shape: dict[str, int], quant_config: object, index: int, tensors) -> Any:
+    """vLLM's MoE layer (Mixtral's checkpoint names) of `shape` through `quant_config`'s method,
+    loaded with `tensors(expert, proj, rows, cols)` -> [(name suffix, tensor)], weights processed.
+    Call under `set_current_vllm_config`, after `single_process_parallel`."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    e, k, h, n = (shape[key] for key in ("experts", "top_k", "hidden", "inter"))
+    layer = FusedMoEFactory(
+        num_experts=e,
+        top_k=k,
+        hidden_size=h,
+        intermediate_size=n,
+        params_dtype=torch.bfloat16,
+        renormalize=True,
+        quant_config=quant_config,
+        prefix=f"model.layers.{index}.block_sparse_moe.experts",
+        ckpt_names=("w1", "w2", "w3"),
+    ).routed_experts
+    loaded = []
+    for expert in range(e):
+        for proj, (rows, cols) in (("w1", (n, h)), ("w3", (n, h)), ("w2", (h, n))):
+            loaded += [
+                (f"{expert}.{proj}.{suffix}", value)
+                for suffix, value in tensors(expert, proj, rows, cols)
+            ]
+    created = {name for name, _ in layer.named_parameters()}
+    missing = created - set(layer.load_weights(loaded))  # a generator: loads as it is read
+    if missing:
+        raise RuntimeError(f"MoE layer parameters not loaded: {sorted(missing)}")
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def fp8_tensors(block: tuple[int, int] | None):
+    """`moe_layer` tensors of vLLM's `fp8` format: block scales, or per-tensor weight scales
+    with a static input scale."""
+    from vllm_gaudi_quant.methods.fp8 import CHECKPOINT_FP8_MAX, FP8_DTYPE
+
+    def tensors(expert: int, proj: str, rows: int, cols: int):
+        w = _weight(rows, cols, 31 * expert + len(proj) + ord(proj[1])).float()
+        if block:
+            bn, bk = block
+            tiles = w.reshape(rows // bn, bn, cols // bk, bk).abs().amax(dim=(1, 3))
+            scale = tiles / CHECKPOINT_FP8_MAX
+            full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+            yield "weight_scale_inv", scale
+        else:
+            scale = full = w.abs().max() / CHECKPOINT_FP8_MAX
+            yield "weight_scale", scale.reshape(())
+            yield "input_scale", torch.tensor(4.0 / CHECKPOINT_FP8_MAX)
+        yield "weight", (w / full).to(FP8_DTYPE)
+
+    return tensors
+
+
+def fp8_config(block: tuple[int, int] | None) -> object:
+    from vllm_gaudi_quant.methods.fp8 import HpuFp8Config
+
+    config: dict[str, Any] = {"quant_method": "fp8"}
+    config["activation_scheme"] = "dynamic" if block else "static"
+    if block:
+        config["weight_block_size"] = list(block)
+    return HpuFp8Config.from_config(config)
+
+
+def recording_moe_kernels(record: Callable[[str, tuple], None]):
+    """Context manager: the seam's MoE kernels call `record(name, args)` before they run."""
+    import contextlib
+
+    from vllm_gaudi_platform.seam import backend
+
+    kernels = backend()
+    names = ("mixture_of_experts", "mixture_of_experts_fp8")
+
+    @contextlib.contextmanager
+    def patched():
+        saved = {name: getattr(kernels, name) for name in names}
+
+        def wrap(name: str, inner: Callable):
+            def call(*args):
+                record(name, args)
+                return inner(*args)
+
+            return call
+
+        for name, inner in saved.items():
+            setattr(kernels, name, wrap(name, inner))
+        try:
+            yield
+        finally:
+            for name, inner in saved.items():
+                setattr(kernels, name, inner)
+
+    return patched()
+
+
 def moe_kernel_bytes(block: tuple[int, int] | None) -> tuple[int, int, str]:
     """(bytes of expert weights and scales passed to the seam's MoE kernel in one forward, the
     bf16 experts' bytes, the kernel's name) for vLLM's `fp8` format through HpuFp8MoEMethod."""
-    import socket
-
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
-    from vllm_gaudi_platform.seam import backend
-    from vllm_gaudi_quant.methods.fp8 import CHECKPOINT_FP8_MAX, FP8_DTYPE, HpuFp8Config
-
-    e, k, h, n = (MOE_SHAPE[key] for key in ("experts", "top_k", "hidden", "inter"))
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic" if block else "static"}
-    if block:
-        config["weight_block_size"] = list(block)
+    e, h, n = (MOE_SHAPE[key] for key in ("experts", "hidden", "inter"))
     recorded: dict[str, int] = {}
-    kernels = backend()
 
-    def recording(name: str):
-        inner = getattr(kernels, name)
-
-        def call(*args):
-            tensors = [t for a in args if isinstance(a, list) for t in a]
-            recorded[name] = sum(t.numel() * t.element_size() for t in tensors)
-            return inner(*args)
-
-        return inner, call
+    def record(name: str, args: tuple) -> None:
+        tensors = [t for a in args if isinstance(a, list) for t in a]
+        recorded[name] = sum(t.numel() * t.element_size() for t in tensors)
 
     with set_current_vllm_config(VllmConfig()):
-        if not model_parallel_is_initialized():
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                backend="gloo",
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-            )
-            initialize_model_parallel(1, 1)
-        layer = FusedMoEFactory(
-            num_experts=e,
-            top_k=k,
-            hidden_size=h,
-            intermediate_size=n,
-            params_dtype=torch.bfloat16,
-            renormalize=True,
-            quant_config=HpuFp8Config.from_config(config),
-            prefix=f"model.layers.{0 if block else 1}.block_sparse_moe.experts",
-            ckpt_names=("w1", "w2", "w3"),
-        ).routed_experts
-        tensors = []
-        for expert in range(e):
-            for proj, (rows, cols) in (("w1", (n, h)), ("w3", (n, h)), ("w2", (h, n))):
-                w = _weight(rows, cols, 31 * expert + len(proj) + ord(proj[1])).float()
-                if block:
-                    bn, bk = block
-                    tiles = w.reshape(rows // bn, bn, cols // bk, bk).abs().amax(dim=(1, 3))
-                    scale = tiles / CHECKPOINT_FP8_MAX
-                    full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-                    tensors += [(f"{expert}.{proj}.weight_scale_inv", scale)]
-                else:
-                    scale = w.abs().max() / CHECKPOINT_FP8_MAX
-                    full = scale
-                    tensors += [
-                        (f"{expert}.{proj}.weight_scale", scale.reshape(())),
-                        (f"{expert}.{proj}.input_scale", torch.tensor(4.0 / CHECKPOINT_FP8_MAX)),
-                    ]
-                tensors += [(f"{expert}.{proj}.weight", (w / full).to(FP8_DTYPE))]
-        layer.load_weights(tensors)
-        layer.quant_method.process_weights_after_loading(layer)
-        names = ("mixture_of_experts", "mixture_of_experts_fp8")
-        saved = {}
-        for name in names:
-            saved[name], call = recording(name)
-            setattr(kernels, name, call)
+        single_process_parallel()
+        layer = moe_layer(MOE_SHAPE, fp8_config(block), 0 if block else 1, fp8_tensors(block))
+        # Four tokens route to up to all 8 experts: the dense pass, whatever the gather setting.
+        os.environ["VLLM_MOE_GATHER_MAX_TOKENS"] = "0"
         try:
-            x = torch.randn(4, h).to(torch.bfloat16)
-            with torch.no_grad():
+            with recording_moe_kernels(record), torch.no_grad():
+                x = torch.randn(4, h).to(torch.bfloat16)
                 layer.quant_method.apply_monolithic(layer, x, torch.randn(4, e))
         finally:
-            for name in names:
-                setattr(kernels, name, saved[name])
+            del os.environ["VLLM_MOE_GATHER_MAX_TOKENS"]
     ((kernel, passed),) = recorded.items()
     return passed, e * 3 * h * n * 2, kernel
 

@@ -1,10 +1,11 @@
 """Whole engines on the Gaudi backend: seam/gaudi.py over the Habana stand-in (its device is CPU
 memory; tests/habana_standin/engine/sitecustomize.py makes it the process's "Gaudi"), in lazy
-mode with HPU graphs, against the same engines in emulation: a tiny Llama, a tiny Mixtral (the
-MoE kernel), an FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM) and a
-4-bit checkpoint with an FP8 KV cache. Greedy tokens must agree (near-ties allowed, as
-everywhere) and each engine must resolve the same methods. Every rule the stand-in enforces
-holds on these paths, or the Gaudi job fails.
+mode with HPU graphs, against the same engines in emulation: a tiny Llama, a tiny 16-expert
+Mixtral (the MoE kernel; decode steps of one or two sequences gather their routed experts), an
+FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM) and a 4-bit checkpoint
+with an FP8 KV cache. Greedy tokens must agree (near-ties allowed, as everywhere) and each engine
+must resolve the same methods. Every rule the stand-in enforces holds on these paths, or the
+Gaudi job fails.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ MAX_TOKENS = 8
 # Compiled (aot_eager over the stand-in) against the same backend eager: logprobs of the sampled
 # tokens, float32.
 LOGPROB_TOLERANCE = 1e-4
-MODELS = ("llama", "mixtral", "ct-fp8-dynamic", "ct-wna16-kv-fp8")
+MODELS = ("llama", "mixtral-16", "ct-fp8-dynamic", "ct-wna16-kv-fp8")
 # The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
 GAUDI_ENV = {
     "VLLM_HPU_EMULATION": None,
@@ -52,7 +53,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         )
     from vllm_gaudi_platform.testing import tinymodels
 
-    paths = {"llama": tinymodels.build("llama"), "mixtral": tinymodels.build("mixtral")}
+    paths = {name: tinymodels.build(name) for name in ("llama", "mixtral-16")}
     for fmt in ("ct-fp8-dynamic", "ct-wna16-kv-fp8"):
         out = tmp_path_factory.mktemp(fmt)
         qdir, _ = checkpoints.write(

@@ -24,7 +24,7 @@ MAX_TOKENS = 6
 ARCHITECTURES = (
     "llama",
     "qwen3",
-    "mixtral",
+    "mixtral-16",  # 16 experts: decode steps of one or two sequences gather the routed experts
     "gemma2",
     "gemma3",
     "mistral",

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from benchmarks import bucketing as bucketing_benchmark
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import (
     Bucket,
@@ -127,20 +128,23 @@ def test_fitted_plan_with_room_for_every_traced_shape_pads_none():
         assert bucket_for(plan, s) == Bucket(s.phase, s.batch_size, s.query_len, s.ctx_blocks)
 
 
-def decode_objective(plan: BucketPlan, trace: Counter[TracedShape]) -> float:
-    """The documented decode objective: padded slots / traced slots + padded blocks / traced
-    blocks, each step counted as often as it was traced."""
-    slots = sum(n * s.batch_size for s, n in trace.items())
-    blocks = sum(n * s.ctx_blocks for s, n in trace.items())
+def decode_objective(
+    plan: BucketPlan, trace: Counter[TracedShape], prices: tuple[float, ...]
+) -> float:
+    """The documented decode objective at the fit's ``prices`` (``BucketPlan.prices``): padded
+    slots and blocks, each at its price, each step counted as often as it was traced."""
     total = 0.0
     for s, n in trace.items():
         b = bucket_for(plan, s)
         assert b is not None
-        total += n * (b.batch_size / slots + b.ctx_blocks / blocks)
-    return total - 2
+        total += n * ((b.batch_size - s.batch_size) * prices[2])
+        total += n * ((b.ctx_blocks - s.ctx_blocks) * prices[3])
+    return total
 
 
-def brute_force_optimum(trace: Counter[TracedShape], fixed: set[Bucket], extra: int) -> float:
+def brute_force_optimum(
+    trace: Counter[TracedShape], fixed: set[Bucket], extra: int, prices: tuple[float, ...]
+) -> float:
     """The best decode objective over every choice of `extra` buckets besides `fixed`: an optimal
     bucket is the largest of the shapes it serves, so each coordinate is a traced one."""
     batches = sorted({s.batch_size for s in trace})
@@ -148,16 +152,16 @@ def brute_force_optimum(trace: Counter[TracedShape], fixed: set[Bucket], extra: 
     candidates = [Bucket("decode", b, 1, k) for b in batches for k in blocks if b <= k]
     best = float("inf")
     for extra_set in itertools.combinations(candidates, extra):
-        plan = BucketPlan("test", (), (*fixed, *extra_set))
-        best = min(best, decode_objective(plan, trace))
+        plan = BucketPlan("test", (), (*fixed, *extra_set), prices=(1.0, 1.0, *prices[2:]))
+        best = min(best, decode_objective(plan, trace, prices))
     return best
 
 
-# Greedy choice plus single swaps has no exactness guarantee. Measured on these 20 instances: the
-# optimum on 19, 1.60x the optimal padding on the other (seed 11, where only swapping two buckets
-# at once reaches the optimum).
-OPTIMAL_AT_LEAST = 19
-WORST_RATIO = 1.65
+# Greedy choice plus single swaps has no exactness guarantee. Measured on these 20 instances, at
+# the prices of each fit (relative to exp's padding, after the balancing round): the optimum on
+# 18, 1.11x the optimal padding on the other two (seeds 7 and 9).
+OPTIMAL_AT_LEAST = 18
+WORST_RATIO = 1.15
 
 
 def test_fitted_decode_padding_matches_the_brute_force_optimum_within_the_stated_bound():
@@ -176,8 +180,10 @@ def test_fitted_decode_padding_matches_the_brute_force_optimum_within_the_stated
         plan = fit_buckets(
             {**trace, prompt: 1}, **MEDIUM, budget=2 + 2 + extra, max_prefill_batch=1
         )
-        optimum = brute_force_optimum(trace, {Bucket("decode", 64, 1, 64 * PER_SEQ)}, extra)
-        ratios.append(decode_objective(plan, trace) / optimum)
+        assert plan.prices is not None
+        fixed = {Bucket("decode", 64, 1, 64 * PER_SEQ)}
+        optimum = brute_force_optimum(trace, fixed, extra, plan.prices)
+        ratios.append(decode_objective(plan, trace, plan.prices) / optimum)
 
     assert sum(r <= 1 + 1e-9 for r in ratios) >= OPTIMAL_AT_LEAST, ratios
     assert max(ratios) <= WORST_RATIO, ratios
@@ -405,3 +411,74 @@ def test_a_fit_whose_packed_variants_overrun_the_budget_gives_up_buckets_for_the
     assert graph_count(plan.prompt, plan.decode) <= 6
     singles = [b for b in plan.prompt if b.batch_size == 1 and b.ctx_blocks == 0]
     assert singles and graph_count(plan.prompt, plan.decode) > len(plan.prompt) + len(plan.decode)
+
+
+# ---------------------------------------------------- against exp on the benchmark's serving load
+
+# The engines and the seeded serving simulation of benchmarks/bucketing.py (issue 31's goals).
+ENGINE = {e.name: e for e in bucketing_benchmark.ENGINES}
+COLUMNS = [f"waste_{c}" for c in bucketing_benchmark.COLUMNS]
+
+
+def benchmark_rows(name: str, *strategies: str) -> dict[str, dict[str, float]]:
+    """exp's row and each strategy's on the benchmark's trace of ``name`` (its 1000 requests:
+    held out, a fit to fewer steps sees too few prefills with context)."""
+    engine = ENGINE[name]
+    steps = bucketing_benchmark.synthetic_trace(engine, 0, 1000)
+    held_out = bucketing_benchmark.synthetic_trace(engine, 1, 1000)
+    exp = bucketing_benchmark.measure(engine, "exp", steps, held_out)
+    rows = {"exp": exp}
+    for strategy in strategies:
+        rows[strategy] = bucketing_benchmark.measure(
+            engine, strategy, steps, held_out, bucketing_benchmark.graphs(exp)
+        )
+    return rows
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-64", "medium"])
+def test_fitted_at_exps_graph_count_pads_every_column_at_most_half_as_much_as_exp(name):
+    rows = benchmark_rows(name, "fitted")
+
+    assert bucketing_benchmark.graphs(rows["fitted"]) <= bucketing_benchmark.graphs(rows["exp"])
+    # Prompt context included: exp pads it by ~1% (tiny) to ~24% (medium).
+    worse = {c: (rows["fitted"][c], rows["exp"][c]) for c in COLUMNS}
+    assert all(f <= e / 2 for f, e in worse.values()), worse
+
+
+def test_fitted_to_a_held_out_trace_pads_no_column_more_than_exp():
+    rows = benchmark_rows("medium", "fitted/ho")
+
+    worse = {c: (rows["fitted/ho"][c], rows["exp"][c]) for c in COLUMNS}
+    assert all(f <= e for f, e in worse.values()), worse
+
+
+def test_fitted_within_half_of_exps_graphs_pads_no_column_more_than_exp():
+    rows = benchmark_rows("medium", "fitted@0.5")
+
+    assert (
+        bucketing_benchmark.graphs(rows["fitted@0.5"])
+        <= bucketing_benchmark.graphs(rows["exp"]) // 2
+    )
+    worse = {c: (rows["fitted@0.5"][c], rows["exp"][c]) for c in COLUMNS}
+    assert all(f <= e for f, e in worse.values()), worse
+
+
+def test_an_untraced_prefill_context_pads_to_the_context_ladder_not_the_coverage_bucket():
+    # Traced prefills have no context; one with 5 cached blocks (and the largest query) fits
+    # the ladder's (1, 4096, 16), not the packed row's coverage bucket (1, 4096, 128).
+    trace = Counter({TracedShape("prompt", 1, q, 0): 10 for q in (100, 300, 700, 1500)})
+    trace[TracedShape("decode", 8, 1, 40)] = 100
+    plan = fit_buckets(trace, **MEDIUM, budget=40, max_prefill_batch=1)
+
+    assert plan.find_prompt(1, 4096, 5) == Bucket("prompt", 1, 4096, 16)
+    assert plan.find_prompt(1, 4096, 17) == Bucket("prompt", 1, 4096, 64)
+
+
+def test_the_context_ladder_gives_way_to_a_small_budget():
+    trace = Counter({TracedShape("prompt", 1, 300, 0): 10, TracedShape("decode", 8, 1, 40): 10})
+    # 2 coverage buckets and 4 left: too few for the ladder's 4 (contexts 1, 4, 16, 64) or 2
+    # (1, 16) within a quarter of them; the traced shapes get theirs.
+    plan = fit_buckets(trace, **MEDIUM, budget=6, max_prefill_batch=1)
+
+    assert all(b.ctx_blocks in (0, 128) for b in plan.prompt), plan.prompt
+    assert plan.find_prompt(1, 300, 0) == Bucket("prompt", 1, 300, 0)

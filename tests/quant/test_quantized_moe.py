@@ -25,7 +25,7 @@ import pytest
 from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
-import json, socket, sys, types
+import json, os, socket, sys, types
 import torch
 import torch.nn.functional as F
 from vllm.config import VllmConfig, set_current_vllm_config
@@ -152,6 +152,30 @@ def reference_w8a8(x, logits, deq, limit, x_scale, inter_scales):
             out[t] += w * (fp8_round(h, hs, limit) @ deq[e, "w2"].t())
     return out
 
+def gathered_and_dense(method, layer, x, logits):
+    # One token routes to TOPK of the EXPERTS experts: with the gather forced on (1) and off (0),
+    # how many experts the kernel is handed and whether the outputs are bit-identical.
+    from vllm_gaudi_platform.seam import backend
+    kernels = backend()
+    handed, outputs = [], {}
+    saved = {name: getattr(kernels, name) for name in ("mixture_of_experts",
+                                                         "mixture_of_experts_fp8")}
+    for name, inner in saved.items():
+        def recording(*args, inner=inner):
+            handed.append(len(args[3]))
+            return inner(*args)
+        setattr(kernels, name, recording)
+    try:
+        for setting in ("0", "1"):
+            os.environ["VLLM_MOE_GATHER_MAX_TOKENS"] = setting
+            method._gather_max_tokens = None  # read the setting again
+            outputs[setting] = method.apply_monolithic(layer, x, logits)
+    finally:
+        del os.environ["VLLM_MOE_GATHER_MAX_TOKENS"]
+        for name, inner in saved.items():
+            setattr(kernels, name, inner)
+    return {"handed": handed, "equal": bool(torch.equal(outputs["0"], outputs["1"]))}
+
 def run(name):
     cls, hf_cfg, make = CASES[name]
     layer = build(cls.from_config(hf_cfg))
@@ -170,6 +194,8 @@ def run(name):
     w8a8 = getattr(method, "block", "n/a") is None  # FP8 experts with per-row weight scales
     with torch.no_grad():
         got = method.apply_monolithic(layer, x, logits)
+        captured = [c.long().sort(-1).values.tolist() for c in captures]
+        gather = gathered_and_dense(method, layer, x[:1], logits[:1])
         want = w8a16 = reference(x, logits, deq)
         if w8a8:
             from vllm_gaudi_platform.seam import backend
@@ -205,8 +231,9 @@ def run(name):
         "close": bool(torch.allclose(got, want, atol=1e-4, rtol=1e-4)),
         "w8a8": w8a8,
         "w8a16_err": float((got - w8a16).abs().max()),
-        "captured": [c.long().sort(-1).values.tolist() for c in captures],
+        "captured": captured,
         "routed": routed.sort(-1).values.tolist(),
+        "gather": gather,
     }
 
 def error_of(fn):
@@ -371,3 +398,12 @@ def test_block_scaled_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused
     error = moe_result["errors"]["ct-fp8-block-experts"]
     assert error is not None and "block_sparse_moe.experts" in error
     assert "block" in error.split("activations")[0].lower() and "W8A8-FP8" in error
+
+
+@pytest.mark.parametrize("case", CASES + FP8_CASES + FP8_FORMAT_CASES)
+def test_one_token_hands_the_kernel_only_its_routed_experts_with_the_same_result(moe_result, case):
+    # 4-bit and block-scaled FP8 experts are gathered before they are dequantized; FP8 experts
+    # on the FP8 kernel bring their weight and input scales along.
+    gather = moe_result[case]["gather"]
+    assert gather["handed"] == [4, 2]  # dense: all 4 experts; gathered: top-2 of one token
+    assert gather["equal"]

@@ -101,6 +101,16 @@ PT_HPU_RECIPE_CACHE_CONFIG = _declare(
     "'<directory>,<delete existing: true|false>,<max size in MB>'. Checked at worker start on a "
     "Gaudi (read by Gaudi's runtime itself); no effect in CPU emulation.",
 )
+VLLM_MOE_GATHER_MAX_TOKENS = _declare(
+    "VLLM_MOE_GATHER_MAX_TOKENS",
+    None,
+    "Mixture-of-experts steps of at most this many tokens (a low-batch decode) pass the MoE "
+    "kernel only the experts their tokens were routed to, gathered on the device, instead of "
+    "every expert of the layer; 0: never. Unset: per layer, the largest token count at which the "
+    "gather moves fewer weight bytes than the dense pass (from the expert count, top-k and the "
+    "weights' format).",
+    kind="int",
+)
 VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "VLLM_HPU_EMULATION_MEMORY_GB",
     "8",
@@ -295,6 +305,25 @@ def prefill_query_slice() -> int:
             f"{VLLM_PREFILL_QUERY_SLICE}={raw!r} is not a whole number of query tokens >= 1; set "
             f"it to e.g. 1024 or unset it for the default "
             f"({VARIABLES[VLLM_PREFILL_QUERY_SLICE].default})."
+        )
+    return value
+
+
+def moe_gather_max_tokens() -> int | None:
+    """VLLM_MOE_GATHER_MAX_TOKENS validated: None when unset (each layer derives its own),
+    else a token count >= 0 (0: never gather)."""
+    raw = (get_raw(VLLM_MOE_GATHER_MAX_TOKENS) or "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EnvError(
+            f"{VLLM_MOE_GATHER_MAX_TOKENS}={raw!r} is not a whole number of tokens >= 0; set it "
+            "to e.g. 4 (gather the routed experts of steps of up to 4 tokens), to 0 (never), or "
+            "unset it to let each MoE layer choose."
         )
     return value
 

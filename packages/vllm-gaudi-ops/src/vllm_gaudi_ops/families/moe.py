@@ -26,7 +26,13 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import (
+    GATHER_COST_AS_STORED,
+    capture_routed_experts,
+    gather_max_tokens,
+    local_expert_ids,
+    select_experts,
+)
 from vllm_gaudi_platform.seam import backend
 
 FAMILY = "moe"
@@ -177,6 +183,7 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         self.kernel_activation = KERNEL_ACTIVATIONS.get(moe.activation, "")
         self._expert_weights: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None
         self._expert_weights = None
+        self._gather_max_tokens: int | None = None  # resolved at the first call
 
     @classmethod
     def enabled(cls) -> bool:
@@ -209,6 +216,11 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
             tuple(layer.w13_weight.data.unbind(0)),
             tuple(layer.w2_weight.data.unbind(0)),
         )
+        # Resolved here, eagerly, not in a traced forward (it reads the environment and logs).
+        num_local = layer.w13_weight.shape[0]
+        self._gather_max_tokens = gather_max_tokens(
+            num_local, self.moe.experts_per_token, GATHER_COST_AS_STORED
+        )
 
     def apply_monolithic(
         self,
@@ -235,33 +247,36 @@ class HpuUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         if self._expert_weights is None:
             self.process_weights_after_loading(layer)
         assert self._expert_weights is not None
-        w12, w3 = self._expert_weights
-        num_local = len(w12)
-        ids = topk_ids.long()
-        expert_map = getattr(layer, "expert_map", None)
-        if expert_map is not None:
-            # Expert parallelism: global ids -> this rank's ids; other ranks' experts (-1) get
-            # an id past the local range, which the kernel skips.
-            ids = expert_map[ids]
-            ids = torch.where(ids < 0, num_local, ids)
+        num_local = len(self._expert_weights[0])
+        ids = local_expert_ids(topk_ids, getattr(layer, "expert_map", None), num_local)
         weights = topk_weights.to(x.dtype)
         if layer.apply_router_weight_on_input:
             # Llama 4 (top-1): the router weight scales the input, not the expert output.
             x = x * weights
             weights = torch.ones_like(weights)
+        if self._gather_max_tokens is None:
+            self.process_weights_after_loading(layer)
+        assert self._gather_max_tokens is not None
+        chosen = select_experts(ids, num_local, self._gather_max_tokens)
         if self.plain:
+            b13, b2 = (getattr(layer, f"{w}_bias", None) for w in ("w13", "w2"))
             return plain_experts(
                 x,
-                ids,
+                chosen.ids,
                 weights,
-                layer.w13_weight,
-                layer.w2_weight,
-                getattr(layer, "w13_bias", None),
-                getattr(layer, "w2_bias", None),
+                chosen.take(layer.w13_weight),
+                chosen.take(layer.w2_weight),
+                None if b13 is None else chosen.take(b13),
+                None if b2 is None else chosen.take(b2),
                 self.moe.activation,
             )
+        if chosen.gathered:
+            w12 = tuple(chosen.take(layer.w13_weight.data).unbind(0))
+            w3 = tuple(chosen.take(layer.w2_weight.data).unbind(0))
+        else:
+            w12, w3 = self._expert_weights
         return backend().mixture_of_experts(
-            x, ids, weights, w12, w3, True, self.kernel_activation, 0, num_local - 1
+            x, chosen.ids, weights, w12, w3, True, self.kernel_activation, 0, chosen.count - 1
         )
 
 

@@ -42,16 +42,23 @@ Choosing the buckets
     first: for each prefill batch size up to ``VLLM_PROMPT_BS_BUCKET_MAX`` the largest prompt
     bucket within the token budget (batch size 1 with ``PACKED_CONTEXT_FACTOR`` times the context,
     for packed prefills), and the largest decode bucket, so every legal step has a bucket, traced
-    or not. Then, among candidate buckets (the traced shapes, rounded up to ``FIT_BITS``
-    significant bits per dimension; per batch size the bucket holding all shapes of that batch
-    size or less; every combination of traced coordinates when a phase has few), a lazy greedy
-    adds the one that lowers the traced padding most until the budget is spent, single swaps
-    improve the choice while ``FIT_SWAP_WORK`` allows, and each bucket is lowered to the largest
-    traced shape it serves. Padding is priced so that the fit minimises the sum of three ratios
-    over the trace: padded / traced prompt work (a query token 1, a context token
-    ``FIT_CONTEXT_TOKEN_COST``), decode batch slots and decode blocks. The plan keeps these prices
-    (``BucketPlan.prices``) and its lookups return the cheapest bucket that fits by them. The
-    ``VLLM_*_BUCKET_{MIN,STEP,MAX}`` ranges are ignored, except ``VLLM_PROMPT_BS_BUCKET_MAX``.
+    or not. Then, for prefills unlike the traced ones, a context ladder: per prefill batch size
+    its largest query at contexts ``1, R, R**2, ...`` below its largest context
+    (``R = FIT_CONTEXT_LADDER``, 4; ``R**2``, then no ladder, when it would take more than
+    ``1/FIT_LADDER_SHARE`` of the budget left). Then, among candidate buckets (the traced shapes,
+    rounded up to ``FIT_BITS`` significant bits per dimension; per batch size the bucket holding
+    all shapes of that batch size or less; every combination of traced coordinates when a phase
+    has few), a lazy greedy adds the one that lowers the traced padding most until the budget is
+    spent, single swaps improve the choice while ``FIT_SWAP_WORK`` allows, and each bucket is
+    lowered to the largest traced shape it serves. Padding is priced per column: the fit
+    minimises the sum over the four columns (padded / traced prompt tokens, prompt context
+    blocks, decode batch slots, decode blocks) of the column's padding ratio on the trace divided
+    by ``exp``'s ratio of that column on the same trace (at least ``FIT_REFERENCE_FLOOR``), so
+    that no column is given up for the others. One balancing round follows: the columns whose
+    relative padding is above the mean of the four get their price raised by the square root of
+    the excess, and that fit replaces the first if its worst column is lower. The plan keeps its
+    prices (``BucketPlan.prices``) and its lookups return the cheapest bucket that fits by them.
+    The ``VLLM_*_BUCKET_{MIN,STEP,MAX}`` ranges are ignored, except ``VLLM_PROMPT_BS_BUCKET_MAX``.
     Traced shapes no step within the engine limits can have are dropped with a warning. A
     missing or malformed trace, a missing ``VLLM_BUCKETING_TRACE`` or a budget below the coverage
     buckets raise ``EnvError`` naming the variable.

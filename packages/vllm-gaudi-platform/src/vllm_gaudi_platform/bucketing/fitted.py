@@ -7,7 +7,7 @@ import bisect
 import heapq
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import product
 
@@ -47,10 +47,22 @@ FIT_SWAP_WORK = 300_000
 # combinations (an optimal bucket is the largest of the shapes it serves, so its coordinates are
 # traced ones); a larger one among the traced shapes and per-batch-size corners.
 FIT_GRID_CANDIDATES = 3000
-# What a padded context token of a prefill row costs, in padded query tokens: a query token goes
-# through every layer's weights, a context token is only read by attention (for a 7B-class model
-# and prompts of one to two thousand tokens, 3-6% of the work; the price errs on the high side).
-FIT_CONTEXT_TOKEN_COST = 1 / 16
+# The four padding columns (prompt tokens, prompt context blocks, decode batch slots, decode
+# blocks) are priced so that the fit minimises the sum, over the columns, of each column's padding
+# ratio on the trace divided by the default strategy's (exp's) ratio of that column on the same
+# trace: no column is given up for the others, and the one exp already pads least weighs most.
+# exp's ratio counts as at least FIT_REFERENCE_FLOOR (a column exp pads by 0.5% weighs as one it
+# pads by 1%).
+FIT_REFERENCE_FLOOR = 0.01
+# Steps unlike the traced ones: per prefill batch size, buckets with the batch's largest query at
+# contexts 1, R, R**2, ... (R = FIT_CONTEXT_LADDER) below its largest context, so that a prefill
+# whose (query, context) the trace did not show pads its context by less than R times rather
+# than to the coverage bucket's. They take at most 1/FIT_LADDER_SHARE of the budget left after
+# coverage (a ratio R**2, then none, when they would take more).
+FIT_CONTEXT_LADDER = 4
+FIT_LADDER_SHARE = 4
+# The balancing round's exponent (`_fit_graphs`).
+FIT_BALANCE_EXPONENT = 0.5
 
 
 def _round_bits(value: int, bits: int) -> int:
@@ -68,23 +80,60 @@ class _Cell:
     count: int  # steps
 
 
-def _fit_prices(
-    shapes: Mapping[TracedShape, int], block_size: int
-) -> tuple[float, float, float, float]:
-    """Per-unit padding prices that make the fit minimise the sum of three padding ratios over
-    the trace: padded prompt work / traced prompt work (a query token 1, a context block
-    ``block_size * FIT_CONTEXT_TOKEN_COST``), padded decode slots / traced sequences, padded
-    decode blocks / traced blocks."""
-    ctx_block = block_size * FIT_CONTEXT_TOKEN_COST
-    work = slots = blocks = 0.0
+def _padding(
+    shapes: Mapping[TracedShape, int],
+    find_prompt: Callable[[int, int, int], Bucket | None],
+    find_decode: Callable[[int, int], Bucket | None],
+) -> tuple[list[float], list[float]]:
+    """Traced and padded units of the four columns (prompt tokens, prompt context blocks, decode
+    batch slots, decode blocks) over ``shapes`` with these lookups (a shape no bucket holds
+    counts unpadded)."""
+    real = [0.0] * 4
+    padded = [0.0] * 4
     for s, n in shapes.items():
         if s.phase == "prompt":
-            work += n * s.batch_size * (s.query_len + s.ctx_blocks * ctx_block)
+            got = (s.batch_size * s.query_len, s.batch_size * s.ctx_blocks)
+            b = find_prompt(s.batch_size, s.query_len, s.ctx_blocks)
+            fit = (b.batch_size * b.query_len, b.batch_size * b.ctx_blocks) if b else got
+            columns = (0, 1)
         else:
-            slots += n * s.batch_size
-            blocks += n * s.ctx_blocks
-    token = 1 / work if work else 1.0
-    return (token, token * ctx_block, 1 / slots if slots else 1.0, 1 / blocks if blocks else 1.0)
+            got = (s.batch_size, s.ctx_blocks)
+            b = find_decode(s.batch_size, s.ctx_blocks)
+            fit = (b.batch_size, b.ctx_blocks) if b else got
+            columns = (2, 3)
+        for k, g, f in zip(columns, got, fit):
+            real[k] += n * g
+            padded[k] += n * f
+    return real, padded
+
+
+def _ratios(real: list[float], padded: list[float]) -> list[float]:
+    return [p / r - 1 if r else 0.0 for r, p in zip(real, padded)]
+
+
+def _reference_lookups(
+    prompt: list[Bucket], decode: list[Bucket]
+) -> tuple[Callable[[int, int, int], Bucket | None], Callable[[int, int], Bucket | None]]:
+    """The reference plan's lookups, the decode one by batch size and bisection (a long-context
+    trace holds tens of thousands of decode shapes): the plan ranks decode buckets by batch size,
+    then blocks."""
+    plan = BucketPlan("reference", tuple(prompt), tuple(decode))
+    by_batch: dict[int, list[int]] = {}
+    for b in plan.decode:
+        by_batch.setdefault(b.batch_size, []).append(b.ctx_blocks)
+    batches = sorted(by_batch)
+    for blocks in by_batch.values():
+        blocks.sort()
+
+    def find_decode(batch: int, ctx_blocks: int) -> Bucket | None:
+        for size in batches[bisect.bisect_left(batches, batch) :]:
+            blocks = by_batch[size]
+            i = bisect.bisect_left(blocks, ctx_blocks)
+            if i < len(blocks):
+                return Bucket("decode", size, 1, blocks[i])
+        return None
+
+    return plan.find_prompt, find_decode
 
 
 def _price(b: Bucket, prices: tuple[float, ...]) -> float:
@@ -120,26 +169,90 @@ def fit_buckets(
     coverage needs. Shapes no step within the engine limits can have are dropped with a warning.
     """
     lim = Limits(max_num_seqs, max_num_batched_tokens, max_model_len, block_size, num_kv_blocks)
-    return _fit_graphs(trace, lim, budget, max_prefill_batch)
+    env = Env({PROMPT_BS.var("MAX"): str(max_prefill_batch)})
+    return _fit_graphs(trace, lim, budget, max_prefill_batch, _exp_buckets(env, lim))
+
+
+def _exp_buckets(env: Env, lim: Limits) -> tuple[list[Bucket], list[Bucket]]:
+    """exp's buckets for these limits: the reference the fit's prices are relative to, and
+    (``graph_count``) its default budget."""
+    return grids(exponential_ranges(env, lim, FITTED_STRATEGY, VLLM_BUCKETING_TRACE), lim)
 
 
 def _fit_graphs(
-    trace: Mapping[TracedShape, int], lim: Limits, budget: int, prefill_bs: int
+    trace: Mapping[TracedShape, int],
+    lim: Limits,
+    budget: int,
+    prefill_bs: int,
+    reference: tuple[list[Bucket], list[Bucket]],
 ) -> BucketPlan:
-    """`_fit` within a budget of graphs rather than buckets: a fit whose packed-prefill variants
-    overrun the budget is fitted again with fewer buckets. A bucket given up saves up to two
-    graphs (itself and its variant), so each round gives up half the overrun; the coverage
+    """The fitted plan within ``budget`` graphs, its prices relative to ``reference`` (exp's
+    buckets), then one balancing round: each column whose padding relative to the reference's
+    is above the mean of the columns' has its price raised by the square root of the excess,
+    and the refit replaces the fit if its worst relative column is lower."""
+    problem = _prepare(trace, lim, prefill_bs)
+    if budget < len(problem.fixed):
+        raise EnvError(
+            f"{VLLM_BUCKETING_GRAPH_BUDGET}={budget} is below the {len(problem.fixed)} buckets "
+            "the fitted plan needs to cover every step (the largest decode shape and, for each "
+            "prefill batch size up to VLLM_PROMPT_BS_BUCKET_MAX, the largest prompt shape); "
+            f"raise it to at least {len(problem.fixed)} or unset it."
+        )
+    real, padded = _padding(problem.shapes, *_reference_lookups(*reference))
+    scale = [max(e, FIT_REFERENCE_FLOOR) for e in _ratios(real, padded)]
+    traced = [k for k in range(4) if real[k]]
+    base = [1 / (real[k] * scale[k]) if real[k] else 1.0 for k in range(4)]
+
+    def relative(plan: BucketPlan) -> list[float]:
+        got = _ratios(*_padding(problem.shapes, plan.find_prompt, plan.find_decode))
+        return [got[k] / scale[k] if real[k] else 0.0 for k in range(4)]
+
+    plan = _fit_within(problem, budget, _prices(base, (1.0,) * 4))
+    worst = relative(plan)
+    mean = sum(worst[k] for k in traced) / len(traced) if traced else 0.0
+    if mean > 0 and max(worst) > mean * (1 + 1e-6):
+        weights = [max(1.0, x / mean) ** FIT_BALANCE_EXPONENT for x in worst]
+        other = _fit_within(problem, budget, _prices(base, weights))
+        if max(relative(other)) < max(worst):
+            plan = other
+    return plan
+
+
+def _prices(base: list[float], weights: Sequence[float]) -> tuple[float, float, float, float]:
+    token, ctx, slot, block = (p * w for p, w in zip(base, weights))
+    return token, ctx, slot, block
+
+
+def _fit_within(
+    problem: _Problem, budget: int, prices: tuple[float, float, float, float]
+) -> BucketPlan:
+    """`_choose` within a budget of graphs rather than buckets: a fit whose packed-prefill
+    variants overrun the budget is fitted again with fewer buckets. A bucket given up saves up to
+    two graphs (itself and its variant), so each round gives up half the overrun; the coverage
     buckets have no variant, so a budget that holds them ends the rounds."""
     buckets = budget
     while True:
-        plan = _fit(trace, lim, buckets, prefill_bs)
+        plan = _choose(problem, buckets, prices)
         over = graph_count(plan.prompt, plan.decode) - budget
         if over <= 0:
             return plan
         buckets -= (over + 1) // 2
 
 
-def _fit(trace: Mapping[TracedShape, int], lim: Limits, budget: int, prefill_bs: int) -> BucketPlan:
+@dataclass
+class _Problem:
+    """What every fit of one trace within some budget shares."""
+
+    lim: Limits
+    prefill_cap: int  # largest prefill batch
+    packed_c: int  # largest context of a packed (single) prefill row
+    shapes: dict[TracedShape, int]  # the legal traced shapes
+    fixed: set[Bucket]  # the coverage buckets
+    cells: list[_Cell]
+    candidates: list[Bucket]
+
+
+def _prepare(trace: Mapping[TracedShape, int], lim: Limits, prefill_bs: int) -> _Problem:
     q_max, c_max, d_max = lim.query_max, lim.prompt_ctx_max, lim.decode_blocks_max
     packed_c = max(c_max, 1) * PACKED_CONTEXT_FACTOR
     tokens, per_seq = lim.max_num_batched_tokens, lim.blocks_per_seq
@@ -173,7 +286,6 @@ def _fit(trace: Mapping[TracedShape, int], lim: Limits, budget: int, prefill_bs:
             prefill_bs,
             dropped[:3],
         )
-    prices = _fit_prices(shapes, lim.block_size)
 
     # Coverage first: with these every legal step has a bucket, traced or not, and every
     # prefill batch of up to VLLM_PROMPT_BS_BUCKET_MAX sequences within the token budget runs as
@@ -189,14 +301,6 @@ def _fit(trace: Mapping[TracedShape, int], lim: Limits, budget: int, prefill_bs:
         for b in range(1, prefill_cap + 1)
         if tokens // b >= 1
     )
-    if budget < len(fixed):
-        raise EnvError(
-            f"{VLLM_BUCKETING_GRAPH_BUDGET}={budget} is below the {len(fixed)} buckets the "
-            "fitted plan needs to cover every step (the largest decode shape and, for each "
-            "prefill batch size up to VLLM_PROMPT_BS_BUCKET_MAX, the largest prompt shape); raise "
-            f"it to at least {len(fixed)} or unset it."
-        )
-    keep = set(fixed)
 
     def rounded(s: TracedShape, bits: int) -> Bucket:
         if s.phase == "prompt":  # the batch stays exact: it is small and bounds the query
@@ -229,9 +333,40 @@ def _fit(trace: Mapping[TracedShape, int], lim: Limits, budget: int, prefill_bs:
         bits -= 1
 
     candidates = _candidates(list(cells), tokens, c_max, per_seq)
-    chosen = _greedy(list(cells.values()), candidates, fixed, budget - len(fixed), prices)
-    chosen = _refine(list(cells.values()), candidates, chosen, fixed, prices)
-    return BucketPlan(FITTED_STRATEGY, *_lower(list(cells.values()), chosen, keep, prices), prices)
+    return _Problem(lim, prefill_cap, packed_c, shapes, fixed, list(cells.values()), candidates)
+
+
+def _choose(
+    problem: _Problem, budget: int, prices: tuple[float, float, float, float]
+) -> BucketPlan:
+    """The coverage buckets, the context ladder, then the traced candidates chosen greedily and
+    improved by swaps within ``budget`` buckets, each lowered to the shapes it serves."""
+    fixed, cells, candidates = problem.fixed, problem.cells, problem.candidates
+    keep = fixed | _ladder(problem.lim, problem.prefill_cap, problem.packed_c, budget - len(fixed))
+    chosen = _greedy(cells, candidates, keep, budget - len(keep), prices)
+    chosen = _refine(cells, candidates, chosen, keep, prices)
+    return BucketPlan(FITTED_STRATEGY, *_lower(cells, chosen, keep, prices), prices)
+
+
+def _ladder(lim: Limits, prefill_cap: int, packed_c: int, room: int) -> set[Bucket]:
+    """The context ladder (``FIT_CONTEXT_LADDER``) within ``room // FIT_LADDER_SHARE`` buckets:
+    per prefill batch size, its largest query at contexts 1, R, R**2, ... below its largest
+    context (the coverage bucket's)."""
+    tokens = lim.max_num_batched_tokens
+    ratio = FIT_CONTEXT_LADDER
+    while ratio <= FIT_CONTEXT_LADDER**2:
+        ladder = set()
+        for batch in range(1, prefill_cap + 1):
+            query = min(lim.query_max, tokens // batch)
+            top = packed_c if batch == 1 else lim.prompt_ctx_max
+            ctx = 1
+            while query >= 1 and ctx < top:
+                ladder.add(Bucket("prompt", batch, query, ctx))
+                ctx *= ratio
+        if len(ladder) * FIT_LADDER_SHARE <= room:
+            return ladder
+        ratio *= ratio
+    return set()
 
 
 def _candidates(cells: list[Bucket], tokens: int, c_max: int, per_seq: int) -> list[Bucket]:
@@ -401,7 +536,9 @@ def _lower(
     return prompt, decode
 
 
-def _fitted_from_env(env: Env, lim: Limits, *, exp_graphs: int) -> BucketPlan:
+def _fitted_from_env(
+    env: Env, lim: Limits, *, exp_buckets: tuple[list[Bucket], list[Bucket]]
+) -> BucketPlan:
     raw = env.raw(VLLM_BUCKETING_TRACE)
     if raw is None:
         raise EnvError(
@@ -411,11 +548,13 @@ def _fitted_from_env(env: Env, lim: Limits, *, exp_graphs: int) -> BucketPlan:
         )
     budget = env.integer(VLLM_BUCKETING_GRAPH_BUDGET, 1)
     found = env.param(PROMPT_BS, "MAX")
+    exp_graphs = graph_count(*exp_buckets)
     plan = _fit_graphs(
         read_trace(raw.strip()),
         lim,
         exp_graphs if budget is None else budget,
         found[1] if found else 1,
+        exp_buckets,
     )
     logger.info(
         "%s=fitted: %d buckets (%d graphs) fitted to %s within a budget of %d graphs%s",
@@ -431,8 +570,6 @@ def _fitted_from_env(env: Env, lim: Limits, *, exp_graphs: int) -> BucketPlan:
 
 def fitted_plan(env: Env, lim: Limits) -> BucketPlan:
     """The ``fitted`` plan, from the trace and budget the environment names."""
-    # The exponential ranges give its default budget: the graphs exp warms up (the grid may
-    # list a bucket twice).
-    ranges = exponential_ranges(env, lim, FITTED_STRATEGY, VLLM_BUCKETING_TRACE)
-    prompt, decode = grids(ranges, lim)
-    return _fitted_from_env(env, lim, exp_graphs=graph_count(prompt, decode))
+    # exp's buckets give its default budget (the graphs exp warms up; the grid may list a bucket
+    # twice) and the padding its prices are relative to.
+    return _fitted_from_env(env, lim, exp_buckets=_exp_buckets(env, lim))

@@ -77,6 +77,11 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         "MixtralConfig",
         {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     ),
+    # Enough experts that a low-batch decode step routes to a fraction of them (the gather).
+    "mixtral-16": (
+        "MixtralConfig",
+        {"num_local_experts": 16, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
     # Windows shorter than the test prompts (up to 300 tokens), so they really cut.
     "gemma2": (
         "Gemma2Config",

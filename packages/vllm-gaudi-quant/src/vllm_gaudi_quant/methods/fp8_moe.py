@@ -26,7 +26,15 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import (
+    GATHER_COST_AS_STORED,
+    ExpertSelection,
+    capture_routed_experts,
+    dequantized_gather_cost,
+    gather_max_tokens,
+    local_expert_ids,
+    select_experts,
+)
 from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_quant.methods.fp8_checkpoint import NAME, _device_range_factor, _wrap_weight_loader
 from vllm_gaudi_quant.methods.fp8_linear import (
@@ -107,6 +115,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
                 "checkpoint cannot be served by vllm-gaudi-quant."
             )
         self.kernel_activation = _KERNEL_ACTIVATIONS[moe.activation]
+        self._gather_max_tokens: int | None = None  # resolved at the first call
 
     @property
     def is_monolithic(self) -> bool:
@@ -177,6 +186,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
                 set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": scale_loader})
 
     def process_weights_after_loading(self, layer: Any) -> None:
+        self._resolve_gather(layer)
         if self.block is not None:
             # Block scales stay as loaded ([E, rows / bn, cols / bk], already in the device's
             # range): each call dequantizes tile by tile, exactly the checkpoint's weights.
@@ -195,13 +205,26 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         layer.w13_weight_scale = Parameter(w13_scale.float(), requires_grad=False)
         layer.w2_weight_scale = Parameter(w2_scale.float(), requires_grad=False)
 
-    def _dequantized(self, layer: Any, name: str, dtype: torch.dtype) -> list[torch.Tensor]:
-        """The local block-scaled experts' `name` weights ("w13" or "w2") as float `dtype`, one
-        per expert."""
-        weight = getattr(layer, f"{name}_weight")
-        scale = getattr(layer, f"{name}_weight_scale_inv")
+    def _dequantized(
+        self, layer: Any, name: str, dtype: torch.dtype, chosen: ExpertSelection
+    ) -> list[torch.Tensor]:
+        """The chosen block-scaled experts' `name` weights ("w13" or "w2") as float `dtype`, one
+        per expert (gathered before dequantizing)."""
+        weight = chosen.take(getattr(layer, f"{name}_weight"))
+        scale = chosen.take(getattr(layer, f"{name}_weight_scale_inv"))
         assert self.block is not None
         return list(dequantize_blocks(weight, scale, self.block).to(dtype).unbind(0))
+
+    def _resolve_gather(self, layer: Any) -> None:
+        if self.block is None:
+            cost = GATHER_COST_AS_STORED  # the FP8 kernel reads the FP8 weights as stored
+        else:
+            # Block-scaled experts are dequantized per call, from one byte per weight.
+            computed = torch.empty((), dtype=layer.moe_config.in_dtype).element_size()
+            cost = dequantized_gather_cost(1, computed)
+        self._gather_max_tokens = gather_max_tokens(
+            layer.local_num_experts, self.moe.experts_per_token, cost
+        )
 
     def apply_monolithic(
         self,
@@ -213,43 +236,49 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         weights, ids = route_topk(layer, x, router_logits)
         capture_routed_experts(layer, ids)
         dtype = x.dtype
-        first = layer.moe_config.ep_rank * layer.local_num_experts
-        last = first + layer.local_num_experts - 1
+        num_local = layer.local_num_experts
+        ids = local_expert_ids(ids, layer.expert_map, num_local)
+        if self._gather_max_tokens is None:
+            self._resolve_gather(layer)
+        assert self._gather_max_tokens is not None
+        chosen = select_experts(ids, num_local, self._gather_max_tokens)
+        last = chosen.count - 1
         kernels = backend()
         if self.block is not None:
             _log_w8a16_once(self.label, self.block)
             return kernels.mixture_of_experts(
                 x,
-                ids,
+                chosen.ids,
                 weights.to(dtype),
-                self._dequantized(layer, "w13", dtype),
-                self._dequantized(layer, "w2", dtype),
+                self._dequantized(layer, "w13", dtype, chosen),
+                self._dequantized(layer, "w2", dtype, chosen),
                 True,
                 self.kernel_activation,
-                first,
+                0,
                 last,
             )
         x2 = x.reshape(-1, x.shape[-1])
         if self.static_input:
-            # The kernel takes one input scale for all experts: the layer's largest.
+            # The kernel takes one input scale for all experts: the layer's largest (over every
+            # local expert, gathered or not, so a step's rounding does not depend on routing).
             xq, x_scale = quantize_activations(x2, layer.w13_input_scale.max())
-            intermediate = list(layer.w2_input_scale.data.unbind(0))
+            intermediate = list(chosen.take(layer.w2_input_scale.data).unbind(0))
         else:
             xq, x_scale = quantize_activations(x2, None)
             intermediate = None
         return kernels.mixture_of_experts_fp8(
             xq,
-            ids,
+            chosen.ids,
             weights.to(dtype),
-            list(layer.w13_weight.data.unbind(0)),
-            list(layer.w2_weight.data.unbind(0)),
+            list(chosen.take(layer.w13_weight.data).unbind(0)),
+            list(chosen.take(layer.w2_weight.data).unbind(0)),
             x_scale,
             intermediate,
-            list(layer.w13_weight_scale.data.unbind(0)),
-            list(layer.w2_weight_scale.data.unbind(0)),
+            list(chosen.take(layer.w13_weight_scale.data).unbind(0)),
+            list(chosen.take(layer.w2_weight_scale.data).unbind(0)),
             True,
             self.kernel_activation,
-            first,
+            0,
             last,
         ).reshape(x.shape)
 

@@ -30,7 +30,14 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform import seam
-from vllm_gaudi_platform.runner.routed_experts import capture_routed_experts
+from vllm_gaudi_platform.runner.routed_experts import (
+    ExpertSelection,
+    capture_routed_experts,
+    dequantized_gather_cost,
+    gather_max_tokens,
+    local_expert_ids,
+    select_experts,
+)
 
 PACK = 8  # 4-bit values per int32 word
 # AWQ's GEMM checkpoints interleave columns inside a word: nibble i holds column 8j + AWQ_ORDER[i].
@@ -199,6 +206,7 @@ class Uint4MoEMethod(FusedMoEMethodBase):
             )
         self.kernel_activation = KERNEL_ACTIVATIONS[layer.moe_config.activation]
         self._checkpoint_params: list[str] = []
+        self._gather_max_tokens: int | None = None  # resolved at the first call
 
     @property
     def is_monolithic(self) -> bool:
@@ -237,14 +245,28 @@ class Uint4MoEMethod(FusedMoEMethodBase):
                 layer.register_buffer(
                     f"{proj}_hpu_g_idx", experts.g_idx.to(torch.int32), persistent=False
                 )
+        self._resolve_gather(layer)
 
-    def dequantized_experts(self, layer: Any, proj: str, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Each local expert's [K, N] weight of projection `proj` ("w13" or "w2") in `dtype`."""
+    def _resolve_gather(self, layer: Any) -> None:
+        # Packed 4-bit weights (half a byte each), dequantized per call to the scales' dtype.
+        cost = dequantized_gather_cost(0.5, layer.w13_scales.element_size())
+        self._gather_max_tokens = gather_max_tokens(
+            layer.local_num_experts, self.moe.experts_per_token, cost
+        )
+
+    def dequantized_experts(
+        self, layer: Any, proj: str, dtype: torch.dtype, chosen: ExpertSelection | None = None
+    ) -> list[torch.Tensor]:
+        """Each local expert's [K, N] weight of projection `proj` ("w13" or "w2") in `dtype`,
+        or only the `chosen` experts' (gathered before dequantizing)."""
         kernels = seam.backend()
         qweight, qzeros, scales = (
             getattr(layer, f"{proj}_{f}") for f in ("qweight", "qzeros", "scales")
         )
         g_idx = getattr(layer, f"{proj}_hpu_g_idx", None)
+        if chosen is not None:
+            qweight, qzeros, scales = (chosen.take(t) for t in (qweight, qzeros, scales))
+            g_idx = None if g_idx is None else chosen.take(g_idx)
         return [
             kernels.convert_from_uint4(
                 qweight[e], scales[e], qzeros[e], dtype, None if g_idx is None else g_idx[e]
@@ -264,22 +286,22 @@ class Uint4MoEMethod(FusedMoEMethodBase):
         weights, ids = route_topk(layer, x, router_logits)
         capture_routed_experts(layer, ids)
         num_local = layer.local_num_experts
-        expert_map = layer.expert_map
-        if expert_map is not None:
-            # Expert parallelism: global ids -> this rank's; other ranks' experts (-1) get an id
-            # past the local range, which the kernel skips.
-            ids = expert_map[ids]
-            ids = torch.where(ids < 0, num_local, ids)
+        ids = local_expert_ids(ids, layer.expert_map, num_local)
         weights = weights.to(x.dtype)
         if layer.apply_router_weight_on_input:
             # Llama 4 (top-1): the router weight scales the input, not the expert output.
             x = x * weights
             weights = torch.ones_like(weights)
-        w13 = self.dequantized_experts(layer, "w13", x.dtype)
-        w2 = self.dequantized_experts(layer, "w2", x.dtype)
+        if self._gather_max_tokens is None:
+            self._resolve_gather(layer)
+        assert self._gather_max_tokens is not None
+        chosen = select_experts(ids, num_local, self._gather_max_tokens)
+        gathered = chosen if chosen.gathered else None
+        w13 = self.dequantized_experts(layer, "w13", x.dtype, gathered)
+        w2 = self.dequantized_experts(layer, "w2", x.dtype, gathered)
         # Dequantized weights are [K, N] = [in, out]: the kernel's unpermuted layout.
         return seam.backend().mixture_of_experts(
-            x, ids, weights, w13, w2, False, self.kernel_activation, 0, num_local - 1
+            x, chosen.ids, weights, w13, w2, False, self.kernel_activation, 0, chosen.count - 1
         )
 
     def apply(self, *args: Any, **kwargs: Any) -> torch.Tensor:
