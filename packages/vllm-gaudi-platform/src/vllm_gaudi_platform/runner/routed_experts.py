@@ -113,7 +113,12 @@ class ExpertSelection:
 
     def take(self, per_expert: torch.Tensor) -> torch.Tensor:
         """`per_expert` [local experts, ...] restricted to the selected experts."""
-        return per_expert if self.index is None else per_expert.index_select(0, self.index)
+        if self.index is None:
+            return per_expert
+        if per_expert.element_size() == 1 and per_expert.is_floating_point():
+            # FP8: gathered as bytes (some torch builds lack index_select for float8 on CPU).
+            return per_expert.view(torch.uint8).index_select(0, self.index).view(per_expert.dtype)
+        return per_expert.index_select(0, self.index)
 
 
 def select_experts(local_ids: torch.Tensor, num_local: int, max_tokens: int) -> ExpertSelection:
@@ -127,11 +132,11 @@ def select_experts(local_ids: torch.Tensor, num_local: int, max_tokens: int) -> 
     """
     tokens, top_k = local_ids.shape
     slots = tokens * top_k
-    if tokens > max_tokens or slots >= num_local:
+    if tokens == 0 or tokens > max_tokens or slots >= num_local:
         return ExpertSelection(local_ids, num_local)
     device = local_ids.device
     hits = torch.zeros(num_local + 1, dtype=torch.float32, device=device)
-    hits.index_add_(0, local_ids.reshape(-1), torch.ones(slots, device=device))
+    hits.index_add_(0, local_ids.reshape(-1), torch.ones(slots, dtype=hits.dtype, device=device))
     index = hits[:num_local].topk(slots, sorted=False).indices.sort().values
     renumber = torch.full((num_local + 1,), slots, dtype=torch.int64, device=device)
     renumber.scatter_(0, index, torch.arange(slots, device=device))
