@@ -119,6 +119,15 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 # software, as CI's machines are.
 STANDIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "habana_standin")
 REAL_GAUDI_SOFTWARE = importlib.util.find_spec("habana_frameworks") is not None
+# An engine process's "Gaudi": seam/gaudi.py over the stand-in instead of the emulation
+# (tests/habana_standin/engine/sitecustomize.py).
+STANDIN_ENGINE_ENV: dict[str, str | None] = {
+    "VLLM_HPU_EMULATION": None,
+    "PYTHONPATH": os.pathsep.join(
+        [os.path.join(STANDIN_PATH, "engine"), os.environ.get("PYTHONPATH", "")]
+    ),
+    "HABANA_STANDIN_MEMORY_GB": "4",
+}
 _STANDIN_MODULES: dict[str, Any] = {}
 
 

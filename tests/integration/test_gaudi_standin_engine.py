@@ -11,12 +11,11 @@ Gaudi job fails.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_PATH
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
 from tests.integration.generation import (
     ENGINE,
@@ -36,13 +35,7 @@ MAX_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
 MODELS = ("llama", "mixtral-16", "ct-fp8-dynamic", "ct-wna16-kv-fp8")
 # The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
-GAUDI_ENV = {
-    "VLLM_HPU_EMULATION": None,
-    "PYTHONPATH": os.pathsep.join(
-        [os.path.join(STANDIN_PATH, "engine"), os.environ.get("PYTHONPATH", "")]
-    ),
-    "HABANA_STANDIN_MEMORY_GB": "4",
-}
+GAUDI_ENV = STANDIN_ENGINE_ENV
 
 
 @pytest.fixture(scope="module")

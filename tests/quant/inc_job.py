@@ -4,8 +4,8 @@
 
 Job keys: model, prompts (token id lists), max_tokens, engine (LLM kwargs). Besides the greedy
 tokens and top-5 logprobs, it reports what the worker really runs: the class and weight dtype of
-every linear layer neural-compressor patched, the KV cache dtype and each attention layer's
-k/v scales.
+every linear layer neural-compressor patched and of the LM head, the KV cache dtype and each
+attention layer's k/v scales.
 """
 
 from __future__ import annotations
@@ -26,8 +26,14 @@ def _inspect(worker) -> dict:
         for name, m in model.named_modules()
         if name.endswith(".attn") and hasattr(m, "_k_scale")
     }
+    head = model.lm_head
     caches = worker.model_runner.kv_caches
-    return {"linears": linears, "kv_scales": scales, "kv_cache_dtype": str(caches[0].dtype)}
+    return {
+        "linears": linears,
+        "lm_head": {"class": type(head).__name__, "weight_dtype": str(head.weight.dtype)},
+        "kv_scales": scales,
+        "kv_cache_dtype": str(caches[0].dtype),
+    }
 
 
 def run(job: dict) -> dict:

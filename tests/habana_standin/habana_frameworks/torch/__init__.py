@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from habana_frameworks.torch import _kernels
+from habana_frameworks.torch import _kernels, _torch_device
 
 _OPS = (
     "cast_to_fp8_v2",
@@ -73,6 +73,39 @@ def _register() -> None:
         torch.library.register_fake(qualname)(_fake_mixture_of_experts_fp8)
 
 
+def _fake_cast_to_fp8_v2_scalar(
+    input, scale, stochastic_rounding=False, is_amax=False, dtype=None, scale_shape=None
+):
+    return _fake_cast_to_fp8_v2(input, None, stochastic_rounding, is_amax, dtype)
+
+
+def _fake_cast_from_fp8_scalar(input, scale, out_dtype, scale_shape=None):
+    return _fake_cast_from_fp8(input, None, out_dtype)
+
+
+def _fake_fp8_gemm_v2_scalar(A, trans_A, B, trans_B, D, out_dtype, *args, **kwargs):
+    return _fake_fp8_gemm_v2(A, trans_A, B, trans_B, D, out_dtype)
+
+
+_SCALAR_FAKES = {
+    "cast_to_fp8_v2": _fake_cast_to_fp8_v2_scalar,
+    "cast_from_fp8": _fake_cast_from_fp8_scalar,
+    "fp8_gemm_v2": _fake_fp8_gemm_v2_scalar,
+}
+
+
+def _register_scalar_overloads() -> None:
+    for name, schema in _kernels.SCALAR_SCHEMAS.items():
+        if "scalar" in getattr(torch.ops.hpu, name).overloads():
+            continue
+        qualname = f"hpu::{name}.scalar"
+        torch.library.define(qualname, schema)
+        torch.library.impl(qualname, "CompositeExplicitAutograd")(
+            getattr(_kernels, f"{name}_scalar")
+        )
+        torch.library.register_fake(qualname)(_SCALAR_FAKES[name])
+
+
 def _register_dynamo_backend() -> None:
     # Fact: importing habana_frameworks.torch registers the torch.compile backend "hpu_backend"
     # (an AOT-autograd backend compiling the FX graph for the Gaudi graph compiler). The
@@ -85,4 +118,7 @@ def _register_dynamo_backend() -> None:
 
 
 _register()
+_register_scalar_overloads()
 _register_dynamo_backend()
+if _torch_device.requested():
+    _torch_device.install()

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
-# Which Gaudi the stand-in is: tests set GENERATION to 2 to check Gaudi 2 behaviour.
-GENERATION = 3
+# Which Gaudi the stand-in is: tests set GENERATION to 2 to check Gaudi 2 behaviour; a process
+# (an engine, a benchmark) picks it with HABANA_STANDIN_GENERATION=2 or 3.
+GENERATION = int(os.environ.get("HABANA_STANDIN_GENERATION", "3"))
+if GENERATION not in (2, 3):
+    raise ValueError(f"HABANA_STANDIN_GENERATION={GENERATION}: the stand-in is a Gaudi 2 or 3")
 # Fact: each process acquires one Gaudi and names it torch.device("hpu") (Intel's vllm-gaudi
 # uses "hpu" with no index and makes set_device a no-op; Habana's documentation: one device
 # per process).

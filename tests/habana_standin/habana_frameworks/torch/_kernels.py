@@ -164,6 +164,73 @@ def fp8_gemm_v2(
     return out.to(out_dtype)
 
 
+# The `.scalar` overloads take their scales as Python floats (neural-compressor's default scale
+# format on a Gaudi, SCALAR) and otherwise compute what the tensor forms compute. Schemas: the
+# bridge's `hpu::cast_to_fp8_v2.scalar`, `hpu::cast_from_fp8.scalar`, `hpu::fp8_gemm_v2.scalar`
+# registrations. `scale_shape` / `B_scale_shape` are accepted and must be None (what they
+# describe could not be established).
+SCALAR_SCHEMAS = {
+    "cast_to_fp8_v2": (
+        "(Tensor input, float scale, bool stochastic_rounding=False, bool is_amax=False, "
+        "ScalarType? dtype=None, int[]? scale_shape=None) -> (Tensor, Tensor)"
+    ),
+    "cast_from_fp8": (
+        "(Tensor input, float scale, ScalarType out_dtype, int[]? scale_shape=None) -> Tensor"
+    ),
+    "fp8_gemm_v2": (
+        "(Tensor A, bool trans_A, Tensor B, bool trans_B, Tensor? D, ScalarType out_dtype, "
+        "float A_scale_inv, float B_scale_inv, Tensor? bias=None, bool accumulate=False, "
+        "int[]? B_scale_shape=None) -> Tensor"
+    ),
+}
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def cast_to_fp8_v2_scalar(
+    input, scale, stochastic_rounding=False, is_amax=False, dtype=None, scale_shape=None
+):
+    _require(scale_shape is None, "cast_to_fp8_v2.scalar: scale_shape is not supported")
+    return cast_to_fp8_v2(
+        input, _scalar(scale), stochastic_rounding, is_amax, dtype or torch.float8_e4m3fn
+    )
+
+
+def cast_from_fp8_scalar(input, scale, out_dtype, scale_shape=None):
+    _require(scale_shape is None, "cast_from_fp8.scalar: scale_shape is not supported")
+    return cast_from_fp8(input, _scalar(scale), out_dtype)
+
+
+def fp8_gemm_v2_scalar(
+    A,
+    trans_A,
+    B,
+    trans_B,
+    D,
+    out_dtype,
+    A_scale_inv,
+    B_scale_inv,
+    bias=None,
+    accumulate=False,
+    B_scale_shape=None,
+):
+    _require(B_scale_shape is None, "fp8_gemm_v2.scalar: B_scale_shape is not supported")
+    return fp8_gemm_v2(
+        A,
+        trans_A,
+        B,
+        trans_B,
+        D,
+        out_dtype,
+        _scalar(A_scale_inv),
+        _scalar(B_scale_inv),
+        bias,
+        accumulate,
+    )
+
+
 # ----------------------------------------------------------------------------- 4-bit
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     """int32 [R, C/8] -> [R, C]; nibble i (from the least significant) of word j is column 8j+i."""

@@ -42,6 +42,32 @@ def set_device(device: Any) -> None:
     _check_index(index)
 
 
+# What torch asks of a device module once `torch.hpu` is this module (see _torch_device.py)
+# and what neural-compressor's HPU accelerator calls.
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def current_device() -> int:
+    return 0
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def manual_seed_all(seed: int) -> None:
+    """The stand-in's device draws its random numbers from the CPU generator."""
+
+
+def empty_cache() -> None:
+    """Nothing is cached: the stand-in's tensors are CPU tensors."""
+
+
 def mem_get_info() -> tuple[int, int]:
     """(free, total) bytes. The stand-in allocates nothing on a device: free is the total. Its
     memory is the CPU's, so HABANA_STANDIN_MEMORY_GB may size it below the product's HBM (an
@@ -167,8 +193,13 @@ __all__ = [
     "Event",
     "Stream",
     "current_stream",
+    "current_device",
     "device_count",
+    "empty_cache",
     "get_device_name",
+    "is_available",
+    "is_initialized",
+    "manual_seed_all",
     "mem_get_info",
     "memory_allocated",
     "set_device",

@@ -1,0 +1,1 @@
+"""habana_frameworks.torch.utils: the `experimental` module neural-compressor reads."""
