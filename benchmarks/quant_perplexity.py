@@ -11,12 +11,18 @@ scales or packing shows up as a ratio far above that.
 
 INC FP8 has no checkpoint: `vllm-gaudi calibrate` measures the float model over training-text
 paragraphs (never the held-out ones), and the QUANTIZE config it writes runs the float checkpoint
-with `--quantization inc` (weights and activations FP8 in every decoder linear).
+with `--quantization inc` (weights and activations FP8 in every decoder linear). In emulation that
+is neural-compressor's CPU path (quantize-dequantize, arbitrary scales); the rows
+"inc fp8 HPU flow, Gaudi 2/3" calibrate and score on its HPU path instead, the one a Gaudi runs
+(hardware-aligned `maxabs_hw` scales: Gaudi 2's four scales and 240 range, Gaudi 3's powers of two
+and 448; the LM head in FP8 too), with seam/gaudi.py over the Habana stand-in (tests/habana_standin)
+playing that generation.
 
     python benchmarks/quant_perplexity.py [--formats NAME ...] [--windows N]
 
-All engines run one after the other in one child process (vLLM resolves its platform once per
-process, and imports once); calibration runs before, in its own `vllm-gaudi calibrate` process.
+The emulated engines run one after the other in one child process (vLLM resolves its platform
+once per process, and imports once), each Gaudi-flow row in one of its own; calibration runs
+before, in its own `vllm-gaudi calibrate` process.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ FORMATS = {
     "wna16 g64 (compressed-tensors)": "ct-wna16-asym",
 }
 INC_FP8 = "inc fp8 (calibrated)"
+# INC on neural-compressor's HPU flow (the one a Gaudi runs: maxabs_hw scales, FP8 GEMMs, the LM
+# head quantized too), seam/gaudi.py over the Habana stand-in playing each Gaudi generation.
+INC_GAUDI = {"inc fp8 HPU flow, Gaudi 2": 2, "inc fp8 HPU flow, Gaudi 3": 3}
 CALIBRATION_SAMPLES = 64
 ENGINE = trainedmodel.ENGINE_ARGS
 
@@ -96,7 +105,7 @@ def _job(spec: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    choices = [*FORMATS, INC_FP8]
+    choices = [*FORMATS, INC_FP8, *INC_GAUDI]
     parser.add_argument("--formats", nargs="+", default=choices, choices=choices)
     parser.add_argument("--windows", type=int, default=16, help="held-out windows of 128 tokens")
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -120,25 +129,29 @@ def main() -> None:
         env["VLLM_HPU_EMULATION"] = "cpu"
         for label in args.formats:
             if label == INC_FP8:
-                config = _calibrate(model, Path(tmp), env)
+                config = _calibrate(model, Path(tmp) / "inc", env)
                 if config is not None:
                     models[label], quant_configs[label] = str(model), str(config)
                 continue
+            if label in INC_GAUDI:
+                continue
             qdir, _ = checkpoints.write(model, Path(tmp), FORMATS[label])
             models[label] = str(qdir)
-        spec = json.dumps({"models": models, "quant_configs": quant_configs, "windows": windows})
-        proc = subprocess.run(
-            [sys.executable, __file__, "--job", spec], capture_output=True, text=True, env=env
-        )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            name, payload = line[len("RESULT ") :].split(" {", 1)
-            results[name] = json.loads("{" + payload)
-    if INC_FP8 in args.formats and INC_FP8 not in models:
-        results[INC_FP8] = {"error": "vllm-gaudi calibrate failed (its output is printed above)"}
-    if "float" not in results:
-        sys.exit(f"the engine job failed:\n{proc.stderr[-4000:]}")
+        results, stderr = _run_job(models, quant_configs, windows, env)
+        if "float" not in results:
+            sys.exit(f"the engine job failed:\n{stderr[-4000:]}")
+        for label in (n for n in args.formats if n in INC_GAUDI):
+            gaudi_env = _standin_env(env, INC_GAUDI[label])
+            config = _calibrate(model, Path(tmp) / f"gaudi{INC_GAUDI[label]}", gaudi_env)
+            if config is not None:
+                models[label] = str(model)
+                found, stderr = _run_job(
+                    {label: str(model)}, {label: str(config)}, windows, gaudi_env
+                )
+                results[label] = found.get(label, {"error": f"the job died: {stderr[-300:]}"})
+    for label in (INC_FP8, *INC_GAUDI):
+        if label in args.formats and label not in models:
+            results[label] = {"error": "vllm-gaudi calibrate failed (its output is printed above)"}
 
     tokens = sum(len(w) - 1 for w in windows)
     print(f"trained tiny Llama {model.name}: held-out perplexity over {tokens} tokens")
@@ -155,11 +168,45 @@ def main() -> None:
             print(f"{name:32} {'failed':>10}  {r.get('error', '')[:200]}")
 
 
+def _run_job(
+    models: dict[str, str], quant_configs: dict[str, str], windows: list, env: dict[str, str]
+) -> tuple[dict[str, dict], str]:
+    """Score `models` in one child process under `env`: {name: result}, and its stderr."""
+    spec = json.dumps({"models": models, "quant_configs": quant_configs, "windows": windows})
+    proc = subprocess.run(
+        [sys.executable, __file__, "--job", spec], capture_output=True, text=True, env=env
+    )
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            name, payload = line[len("RESULT ") :].split(" {", 1)
+            results[name] = json.loads("{" + payload)
+    return results, proc.stderr
+
+
+def _standin_env(env: dict[str, str], generation: int) -> dict[str, str]:
+    """A process whose "Gaudi" is the Habana stand-in of that generation, with the torch device
+    "hpu" neural-compressor's HPU flow needs (tests/quant/test_inc_engine.py runs the same)."""
+    from tests.conftest import STANDIN_ENGINE_ENV
+
+    out = {k: v for k, v in env.items() if k != "VLLM_HPU_EMULATION"}
+    out.update({k: v for k, v in STANDIN_ENGINE_ENV.items() if v is not None})
+    out["PYTHONPATH"] = os.pathsep.join([out["PYTHONPATH"], str(ROOT)])
+    out.update(
+        HABANA_STANDIN_TORCH_DEVICE="1",
+        HABANA_STANDIN_MIXED_DEVICES="1",
+        HABANA_STANDIN_GENERATION=str(generation),
+        PT_HPU_LAZY_MODE="1",
+    )
+    return out
+
+
 def _calibrate(model: Path, tmp: Path, env: dict[str, str]) -> Path | None:
     """`vllm-gaudi calibrate` over training paragraphs; the QUANTIZE config, or None on failure
     (printed, so that the other formats' numbers still come)."""
     from vllm_gaudi_platform.testing import trainedmodel
 
+    tmp.mkdir(parents=True, exist_ok=True)
     dataset = tmp / "calibration.jsonl"
     paragraphs = [p for p in trainedmodel.split()[0].split("\n\n") if len(p) > 200]
     with dataset.open("w") as f:

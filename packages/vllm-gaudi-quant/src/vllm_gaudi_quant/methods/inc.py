@@ -14,14 +14,17 @@ HPU runner has just loaded, before warmup:
 
 Where it runs:
 
-- On Gaudi, neural-compressor's HPU path patches vLLM's layers itself and uses Gaudi's FP8 kernels.
-  Use hardware-aligned scale methods there (`maxabs_hw`, the default, or `maxabs_pow2`,
+- On Gaudi, neural-compressor's HPU path patches vLLM's layers itself (the LM head included),
+  moves them to the device and uses Gaudi's FP8 kernels (`cast_to_fp8_v2`, `fp8_gemm_v2`). Use
+  hardware-aligned scale methods there (`maxabs_hw`, the default, or `maxabs_pow2`,
   `act_maxabs_hw_weights_pcs_maxabs_pow2`): they round scales to values the FP8 matmul applies
-  exactly (powers of two on Gaudi 2, the hardware's scale set on Gaudi 3).
+  exactly (Gaudi 2's scale set 16, 1, 1/16, 1/256; powers of two on Gaudi 3). The tests run this
+  path over the Habana stand-in (tests/quant/test_inc_gaudi_flow.py).
 - In CPU emulation, neural-compressor's CPU path runs: it only accepts quantize-dequantize mode
   (`"use_qdq": "True"`) with arbitrary scales (`maxabs_arbitrary`, `unit_scale`), and it only
   patches modules whose class is named Linear/Conv2d/EmbeddingBag. vLLM's parallel linear classes
-  are therefore registered in its patched-module table here (`register_vllm_linears`).
+  are therefore registered in its patched-module table here (`register_vllm_linears`). It serves
+  whoever has no Gaudi: trying calibration and FP8 serving in emulation.
 
 Checks happen when vLLM builds its config (`HpuIncConfig()` reads and validates `QUANT_CONFIG`,
 `maybe_update_config` compares the model the statistics were made for, `hpu_check_vllm_config`

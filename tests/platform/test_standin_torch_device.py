@@ -1,0 +1,108 @@
+"""The Habana stand-in's torch device "hpu" (registered on request, for neural-compressor's HPU
+flow) and its `.scalar` FP8 overloads: they follow the rules of a real device and of the bridge's
+tensor-scale forms, so the INC tests over the stand-in cannot pass on leniency.
+
+The device is once per process and cannot be undone, so its checks run in a fresh process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_PATH
+from tests.integration.generation import job_result
+
+pytestmark = pytest.mark.gaudi
+
+DEVICE_JOB = r"""
+import json, os
+os.environ["HABANA_STANDIN_TORCH_DEVICE"] = "1"
+import torch
+import habana_frameworks.torch  # noqa: F401
+from habana_frameworks.torch._kernels import HabanaRuleError
+
+out = {}
+x = torch.arange(12, dtype=torch.float32).reshape(3, 4).to("hpu")
+y = x * 2 + 1
+out["devices"] = [x.device.type, y.device.type, torch.zeros(2, device="hpu").device.type,
+                  torch.tensor([1.0], device="hpu").device.type, y.cpu().device.type]
+out["values"] = torch.equal(y.cpu(), torch.arange(12.0).reshape(3, 4) * 2 + 1)
+out["read_back"] = [x.sum().item(), x[0].tolist()]
+returned = x.add_(1)
+out["in_place_keeps_tensor"] = returned is x and x.device.type == "hpu" and x[0, 0].item() == 1.0
+linear = torch.nn.Linear(4, 2).to("hpu")
+out["module"] = [linear.weight.device.type, linear(x).device.type]
+out["cpu_scalar_operand"] = (x * torch.tensor(2.0)).device.type
+try:
+    x + torch.ones(3, 4)
+    out["mixed"] = "accepted"
+except HabanaRuleError as exc:
+    out["mixed"] = str(exc)
+os.environ["HABANA_STANDIN_MIXED_DEVICES"] = "1"
+mixed = x + torch.ones(3, 4)
+out["mixed_allowed"] = [type(mixed) is torch.Tensor, mixed.device.type]
+out["torch_hpu"] = [torch.hpu.is_available(), torch.hpu.current_device(), torch.hpu.device_count()]
+import habana_frameworks.torch.utils.experimental as htexp
+out["device_type"] = htexp._get_device_type().name
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def device(run_python) -> dict:
+    if REAL_GAUDI_SOFTWARE:
+        pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
+    env = {
+        "VLLM_HPU_EMULATION": None,
+        "PYTHONPATH": os.pathsep.join([STANDIN_PATH, os.environ.get("PYTHONPATH", "")]),
+        "HABANA_STANDIN_GENERATION": "2",
+    }
+    return job_result(run_python(DEVICE_JOB, env=env, timeout=120), "stand-in device job")
+
+
+def test_tensors_moved_or_created_on_hpu_stay_there_until_read_back(device):
+    assert device["devices"] == ["hpu", "hpu", "hpu", "hpu", "cpu"]
+    assert device["values"] is True
+    assert device["read_back"] == [66.0, [0.0, 1.0, 2.0, 3.0]]
+    assert device["in_place_keeps_tensor"] is True
+    assert device["module"] == ["hpu", "hpu"]
+
+
+def test_an_op_mixing_hpu_and_cpu_tensors_is_refused_except_cpu_scalars(device):
+    assert device["cpu_scalar_operand"] == "hpu"
+    assert "tensors on hpu and cpu in one op" in device["mixed"]
+    assert "(3, 4)" in device["mixed"]
+
+
+def test_mixed_devices_when_allowed_give_the_engines_cpu_tensors(device):
+    assert device["mixed_allowed"] == [True, "cpu"]
+
+
+def test_torch_hpu_and_the_device_type_answer_for_the_stand_ins_generation(device):
+    assert device["torch_hpu"] == [True, 0, 1]
+    assert device["device_type"] == "synDeviceGaudi2"
+
+
+def test_scalar_overloads_compute_what_the_tensor_scale_forms_compute(standin_device):
+    import habana_frameworks.torch  # noqa: F401
+    import torch
+
+    hpu = torch.ops.hpu
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0)) * 1000
+    w = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    fp8 = torch.float8_e4m3fn
+    q_scalar, _ = hpu.cast_to_fp8_v2.scalar(x, 0.5, False, False, fp8)
+    q_tensor, _ = hpu.cast_to_fp8_v2(x, torch.tensor(0.5), False, False, fp8)
+    assert torch.equal(q_scalar.float(), q_tensor.float())
+    assert q_scalar.float().abs().max() == 448.0  # x * 0.5 saturates at Gaudi 3's range
+    back = hpu.cast_from_fp8.scalar(q_scalar, 2.0, torch.float32)
+    assert torch.equal(back, hpu.cast_from_fp8(q_scalar, torch.tensor(2.0), torch.float32))
+    w8, _ = hpu.cast_to_fp8_v2(w, None, False, False, fp8)
+    gemm = hpu.fp8_gemm_v2.scalar(q_scalar, False, w8, True, None, torch.float32, 2.0, 0.25)
+    expect = hpu.fp8_gemm_v2(
+        q_scalar, False, w8, True, None, torch.float32, torch.tensor(2.0), torch.tensor(0.25)
+    )
+    assert torch.equal(gemm, expect)
+    assert torch.allclose(gemm, (q_scalar.float() @ w8.float().t()) * 0.5)
