@@ -6,8 +6,9 @@ the test packers (tests/quant/checkpoints.py: every decoder linear quantized, em
 LM head float), and every model, the float one included, is scored through the HPU platform in
 CPU emulation (float32 activations) with prompt logprobs over the same held-out windows. The
 ratio quantized/float is the accuracy cost of the format (measured on the 2 x 128 model: 1.0015
-for FP8 W8A8, 1.0034 for calibrated INC FP8, 1.0053 to 1.0080 for the 4-bit formats); a bug in
-scales or packing shows up as a ratio far above that.
+for FP8 W8A8, 1.0034 for calibrated INC FP8 on neural-compressor's CPU path, 1.0029 / 1.0032 on
+its HPU path as Gaudi 2 / Gaudi 3, 1.0053 to 1.0080 for the 4-bit formats); a bug in scales or
+packing shows up as a ratio far above that.
 
 INC FP8 has no checkpoint: `vllm-gaudi calibrate` measures the float model over training-text
 paragraphs (never the held-out ones), and the QUANTIZE config it writes runs the float checkpoint
