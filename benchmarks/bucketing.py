@@ -193,17 +193,12 @@ def graphs(m: dict[str, float]) -> int:
     return int(m["prompt_graphs"] + m["decode_graphs"] + m["packed_graphs"])
 
 
-def measure(
-    engine: Engine,
-    strategy: str,
-    steps: list[Step],
-    held_out: list[Step],
-    exp_graphs: int | None = None,
-) -> dict[str, float]:
-    """One row: ``strategy`` is a strategy name; ``fitted`` may carry ``@F`` (a graph budget of F
-    times ``exp_graphs``, default exp's count) and ``/ho`` (fitted to ``held_out``, measured on
-    ``steps``)."""
-    name, _, budget = strategy.split("/")[0].partition("@")
+def plan_for(
+    engine: Engine, strategy: str, fit_to: list[Step], exp_graphs: int | None = None
+) -> BucketPlan:
+    """The plan of ``strategy`` (a strategy name; ``fitted`` may carry ``@F``, a graph budget of F
+    times ``exp_graphs``) for ``engine``; fitted plans are fitted to the steps ``fit_to``."""
+    name, _, budget = strategy.partition("@")
     environ = {
         "VLLM_BUCKETING_STRATEGY": name,
         "VLLM_PROMPT_BS_BUCKET_MAX": str(engine.prefill_batch),
@@ -214,10 +209,9 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         if name == "fitted":
             path = os.path.join(tmp, "trace.txt")
-            write_trace(held_out if strategy.endswith("/ho") else steps, path)
+            write_trace(fit_to, path)
             environ["VLLM_BUCKETING_TRACE"] = path
-        start = time.perf_counter()
-        plan = plan_from_env(
+        return plan_from_env(
             max_num_seqs=engine.max_num_seqs,
             max_num_batched_tokens=engine.max_num_batched_tokens,
             max_model_len=engine.max_model_len,
@@ -225,7 +219,26 @@ def measure(
             num_kv_blocks=engine.num_kv_blocks,
             environ=environ,
         )
-        plan_seconds = time.perf_counter() - start
+
+
+def measure(
+    engine: Engine,
+    strategy: str,
+    steps: list[Step],
+    held_out: list[Step],
+    exp_graphs: int | None = None,
+) -> dict[str, float]:
+    """One row: ``strategy`` is a strategy name; ``fitted`` may carry ``@F`` (a graph budget of F
+    times ``exp_graphs``, default exp's count) and ``/ho`` (fitted to ``held_out``, measured on
+    ``steps``)."""
+    start = time.perf_counter()
+    plan = plan_for(
+        engine,
+        strategy.split("/")[0],
+        held_out if strategy.endswith("/ho") else steps,
+        exp_graphs,
+    )
+    plan_seconds = time.perf_counter() - start
     find = Finder(plan)
     real = {"prompt": 0, "ctx": 0, "bs": 0, "blocks": 0}
     padded = {"prompt": 0, "ctx": 0, "bs": 0, "blocks": 0}

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable
 
@@ -60,9 +58,9 @@ from _roofline_model import (
     step_seconds,
     weight_bytes,
 )
-from bucketing import ENGINES, Engine, Finder, Step, synthetic_trace, write_trace
+from bucketing import ENGINES, Engine, Finder, Step, plan_for, synthetic_trace
 
-from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, graph_count, plan_from_env
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, graph_count
 
 CONTEXT = 2048  # cached tokens per decoding sequence in the decode table
 BATCHES = (1, 32, 256)
@@ -79,25 +77,7 @@ def label(m: Model, p: Precision) -> str:
 def build_plan(engine: Engine, strategy: str, steps: list[Step], exp_graphs: int) -> BucketPlan:
     """The plan `benchmarks/bucketing.py` measures for `strategy` (fitted: to `steps` itself;
     `@F`: a graph budget of F times exp's count)."""
-    name, _, budget = strategy.partition("@")
-    environ = {
-        "VLLM_BUCKETING_STRATEGY": name,
-        "VLLM_PROMPT_BS_BUCKET_MAX": str(engine.prefill_batch),
-    }
-    if budget:
-        environ["VLLM_BUCKETING_GRAPH_BUDGET"] = str(int(float(budget) * exp_graphs))
-    with tempfile.TemporaryDirectory() as tmp:
-        if name == "fitted":
-            environ["VLLM_BUCKETING_TRACE"] = path = os.path.join(tmp, "trace.txt")
-            write_trace(steps, path)
-        return plan_from_env(
-            max_num_seqs=engine.max_num_seqs,
-            max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_model_len=engine.max_model_len,
-            block_size=engine.block_size,
-            num_kv_blocks=engine.num_kv_blocks,
-            environ=environ,
-        )
+    return plan_for(engine, strategy, steps, exp_graphs)
 
 
 def bucket_shape(b: Bucket) -> Shape:
