@@ -41,12 +41,14 @@ from habana_frameworks.torch import _device
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed import init_distributed_environment, initialize_model_parallel
 from vllm.model_executor.layers import linear as L
+from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
 from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_quant.methods.inc import HpuIncConfig
 
 work = tempfile.mkdtemp()
 LAYERS = ("qkv", "o", "up", "col", "rep")
+MOES = []  # vLLM registers each MoE layer by name: one index per layer built
 
 
 class Block(torch.nn.Module):
@@ -57,6 +59,14 @@ class Block(torch.nn.Module):
         self.up = L.MergedColumnParallelLinear(64, [96, 96], bias=False)
         self.col = L.ColumnParallelLinear(64, 32, bias=True)
         self.rep = L.ReplicatedLinear(64, 16, bias=False)
+        # MoE experts: built, not run (see test_moe_experts_are_left_in_high_precision_and_named).
+        MOES.append(len(MOES))
+        self.moe = FusedMoEFactory(
+            num_experts=4, top_k=2, hidden_size=64, intermediate_size=32,
+            params_dtype=torch.bfloat16, renormalize=True, quant_config=None,
+            prefix=f"model.layers.{len(MOES)}.block_sparse_moe.experts",
+            ckpt_names=("w1", "w2", "w3"),
+        ).routed_experts
 
     def forward(self, x):
         return {name: getattr(self, name)(x)[0] for name in LAYERS}
@@ -146,6 +156,8 @@ with set_current_vllm_config(VllmConfig()):
         ops=dict(tape.ops),
         rel_err={k: float((out[k] - ref[k]).norm() / ref[k].norm()) for k in LAYERS},
         outlier=[float(qblock.up.weight.detach().cpu().float().max()), report["scales"]["up"][1]],
+        experts=[type(qblock.moe).__name__, str(qblock.moe.w13_weight.dtype),
+                 quantize.unquantized_experts],
     )
     print("RESULT " + json.dumps(report))
 """
@@ -219,6 +231,12 @@ def test_stored_weights_are_the_float_weights_over_their_scale_in_e4m3(flow):
 def test_an_outlier_weight_is_covered_by_its_scale_not_saturated(flow):
     stored_max, scale = flow["outlier"]
     assert stored_max * scale == pytest.approx(30.0, rel=2**-3)  # E4M3: 3 mantissa bits
+
+
+def test_moe_experts_are_left_in_high_precision_and_named(flow):
+    # neural-compressor patches vLLM's MoE by the class name FusedMoE, which vLLM 0.32's routed
+    # experts do not carry: the experts stay bf16 on a Gaudi too, and the config says which.
+    assert flow["experts"] == ["RoutedExperts", "torch.bfloat16", ["moe"]]
 
 
 def test_quantized_layers_stay_within_fp8_error_of_the_float_layers(flow):

@@ -353,6 +353,18 @@ def _attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     }
 
 
+def _unpatched_experts(model: torch.nn.Module) -> list[str]:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    return [name for name, m in model.named_modules() if isinstance(m, RoutedExperts)]
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
 def _rank() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -395,6 +407,8 @@ class HpuIncConfig(QuantizationConfig):
         self.record: dict[str, Any] | None = None
         self._kv_observer: KVObserver | None = None
         self._finalized = False
+        # MoE expert layers neural-compressor left unpatched (high precision), once prepared.
+        self.unquantized_experts: list[str] = []
 
     def __repr__(self) -> str:
         return f"HpuIncConfig(mode={self.settings.mode}, config={self.settings.path})"
@@ -467,6 +481,18 @@ class HpuIncConfig(QuantizationConfig):
         finally:
             clear_quantized_func_wrapper_factory()
             os.unlink(f.name)
+        self.unquantized_experts = _unpatched_experts(model)
+        if self.unquantized_experts:
+            logger.warning(
+                "INC FP8: %d MoE expert layers (%s...) stay in %s: neural-compressor patches "
+                "vLLM's MoE by the class name FusedMoE, which vLLM %s's routed experts "
+                "(RoutedExperts) do not carry; linear layers are FP8. For FP8 experts serve an "
+                "FP8 checkpoint (--quantization fp8 or compressed-tensors) instead.",
+                len(self.unquantized_experts),
+                self.unquantized_experts[0],
+                str(dtype).removeprefix("torch."),
+                _vllm_version(),
+            )
         if self.settings.measuring:
             self._kv_observer = KVObserver(model)
         else:
