@@ -236,6 +236,42 @@ def run(name):
         "gather": gather,
     }
 
+ON_INPUT = ("awq", "fp8-tensor-static", "ct-fp8-channel-dynamic")
+
+def on_input(name):
+    # Llama 4's top-1 routing: each token is scaled by its router weight before its expert, whose
+    # output is not weighted again. The same experts with renormalized top-1 routing (weight 1)
+    # on the pre-scaled tokens must give the same result, bit for bit; weighting the output
+    # instead (ignoring the setting) gives expert(x) * w, which the SiLU gate makes different.
+    cls, hf_cfg, make = CASES[name]
+    outs = []
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, HIDDEN, generator=gen)
+    logits = torch.randn(5, EXPERTS, generator=gen)
+    weight = logits.softmax(-1).max(-1, keepdim=True).values
+    layers = {}
+    for scaled_input in (True, False):
+        BUILT.append(name)
+        layer = FusedMoEFactory(
+            num_experts=EXPERTS, top_k=1, hidden_size=HIDDEN, intermediate_size=INTER,
+            params_dtype=torch.float32, renormalize=not scaled_input,
+            quant_config=cls.from_config(hf_cfg),
+            prefix=f"model.layers.{len(BUILT)}.block_sparse_moe.experts",
+            ckpt_names=("w1", "w2", "w3"), apply_router_weight_on_input=scaled_input,
+        ).routed_experts
+        load(layer, make)
+        layer.quant_method.process_weights_after_loading(layer)
+        layers[scaled_input] = layer
+    with torch.no_grad():
+        run_ = lambda layer, inputs: layer.quant_method.apply_monolithic(layer, inputs, logits)
+        got = run_(layers[True], x)
+        want = run_(layers[False], x * weight)
+        weighted_output = run_(layers[False], x) * weight
+    return {
+        "equal": bool(torch.equal(got, want)),
+        "gap_to_weighted_output": float((got - weighted_output).abs().max()),
+    }
+
 def error_of(fn):
     try:
         fn()
@@ -268,6 +304,7 @@ with set_current_vllm_config(VllmConfig()):
     set_generation(2)
     result.update({f"gaudi2:{name}": run(name) for name in CASES if "fp8" in name})
     set_generation(3)
+    result["on_input"] = {name: on_input(name) for name in ON_INPUT}
     result["errors"] = {
         "gptq-act-order-mismatch": error_of(mismatched_act_order),
         "ct-fp8-block-experts": error_of(fp8_block_experts),
@@ -293,6 +330,15 @@ def moe_result(run_python, job_backend):
     job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
     proc = run_python(job, env=job_backend.env, timeout=300)
     return job_result(proc, f"MoE layer job ({job_backend.name})")
+
+
+@pytest.mark.parametrize("case", ["awq", "fp8-tensor-static", "ct-fp8-channel-dynamic"])
+def test_router_weight_on_the_input_scales_the_tokens_not_the_expert_outputs(moe_result, case):
+    # Llama 4 (top-1): equal to renormalized routing over pre-scaled tokens, and not the output
+    # weighting an implementation that ignores the setting would give.
+    result = moe_result["on_input"][case]
+    assert result["equal"] is True
+    assert result["gap_to_weighted_output"] > 1e-3
 
 
 @pytest.mark.parametrize("case", CASES)

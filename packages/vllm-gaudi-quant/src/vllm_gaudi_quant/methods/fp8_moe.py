@@ -236,6 +236,11 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         weights, ids = route_topk(layer, x, router_logits)
         capture_routed_experts(layer, ids)
         dtype = x.dtype
+        if layer.apply_router_weight_on_input:
+            # Llama 4 (top-1): the router weight scales the input (before it is quantized), not
+            # the expert output.
+            x = x * weights.to(dtype)
+            weights = torch.ones_like(weights)
         num_local = layer.local_num_experts
         ids = local_expert_ids(ids, layer.expert_map, num_local)
         if self._gather_max_tokens is None:
