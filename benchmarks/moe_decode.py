@@ -40,8 +40,9 @@ from quant import (
     median_ms,
     moe_layer,
     recording_moe_kernels,
-    single_process_parallel,
 )
+
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"experts": 64, "top_k": 6, "hidden": 512, "inter": 384}

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
+
 # One decoder layer of a Llama-2-7B-like model: (name, out_features N, in_features K).
 LAYER = (
     ("q_proj", 4096, 4096),
@@ -218,28 +220,6 @@ METHODS: dict[str, tuple[Callable[[torch.Tensor], Built], float]] = {
 
 # ----------------------------------------------------------------------------- FP8 MoE
 MOE_SHAPE = {"experts": 8, "top_k": 2, "hidden": 1024, "inter": 3584}  # Mixtral's ratios / 4
-
-
-def single_process_parallel() -> None:
-    """vLLM's parallel state for one process (its MoE layers need it), once."""
-    import socket
-
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
-
-    if model_parallel_is_initialized():
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
-        backend="gloo",
-        distributed_init_method=f"tcp://127.0.0.1:{port}",
-    )
-    initialize_model_parallel(1, 1)
 
 
 def moe_layer(shape: dict[str, int], quant_config: object, index: int, tensors) -> Any:

@@ -119,6 +119,19 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 # software, as CI's machines are.
 STANDIN_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "habana_standin")
 REAL_GAUDI_SOFTWARE = importlib.util.find_spec("habana_frameworks") is not None
+
+
+def standin_process_env(generation: int = 3, **extra: str) -> dict[str, str | None]:
+    """A fresh (non-engine) process that imports the stand-in as `habana_frameworks`, playing
+    that Gaudi generation; `extra`: more variables (HABANA_STANDIN_TORCH_DEVICE=...)."""
+    return {
+        "VLLM_HPU_EMULATION": None,
+        "PYTHONPATH": os.pathsep.join([STANDIN_PATH, os.environ.get("PYTHONPATH", "")]),
+        "HABANA_STANDIN_GENERATION": str(generation),
+        **extra,
+    }
+
+
 # An engine process's "Gaudi": seam/gaudi.py over the stand-in instead of the emulation
 # (tests/habana_standin/engine/sitecustomize.py).
 STANDIN_ENGINE_ENV: dict[str, str | None] = {

@@ -7,11 +7,9 @@ The device is once per process and cannot be undone, so its checks run in a fres
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_PATH
+from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
 from tests.integration.generation import job_result
 
 pytestmark = pytest.mark.gaudi
@@ -54,11 +52,7 @@ print("RESULT " + json.dumps(out))
 def device(run_python) -> dict:
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
-    env = {
-        "VLLM_HPU_EMULATION": None,
-        "PYTHONPATH": os.pathsep.join([STANDIN_PATH, os.environ.get("PYTHONPATH", "")]),
-        "HABANA_STANDIN_GENERATION": "2",
-    }
+    env = standin_process_env(2)
     return job_result(run_python(DEVICE_JOB, env=env, timeout=120), "stand-in device job")
 
 

@@ -23,10 +23,10 @@ from tests.integration.generation import job_result
 from tests.quant.conftest import FP8_MATMUL_TOLERANCE, FP8_WEIGHT_ONLY_TOLERANCE
 
 LAYERS_JOB = r"""
-import json, os, socket, sys
+import json, os, sys
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 
 sys.path.insert(0, __ROOT__)
@@ -96,12 +96,7 @@ def run(name):
     return out
 
 with set_current_vllm_config(VllmConfig()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    single_process_parallel()
     results = {}
     for generation in ("3", "2"):
         set_generation(generation)  # from the backend's prelude (tests/quant/conftest.py)

@@ -20,11 +20,9 @@ What a wrong flow would fail:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_PATH
+from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
 from tests.integration.generation import job_result
 
 pytestmark = pytest.mark.gaudi
@@ -32,14 +30,14 @@ pytestmark = pytest.mark.gaudi
 GAUDI2_SCALES = {16.0, 1.0, 1 / 16, 1 / 256}
 
 LAYERS_JOB = r"""
-import json, math, os, socket, tempfile
+import json, math, os, tempfile
 from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import habana_frameworks.torch  # noqa: F401 - the stand-in, with its torch device "hpu"
 from habana_frameworks.torch import _device
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
@@ -105,12 +103,7 @@ def f(t):
 
 
 with set_current_vllm_config(VllmConfig()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    single_process_parallel()
     gen = torch.Generator().manual_seed(1)
     calib = [torch.randn(7, 64, generator=gen).to(torch.bfloat16).to("hpu") for _ in range(4)]
     test = (torch.randn(9, 64, generator=gen) * 3).to(torch.bfloat16).to("hpu")
@@ -167,12 +160,7 @@ with set_current_vllm_config(VllmConfig()):
 def flow(request, run_python) -> dict:
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("runs over the Habana stand-in, which does not load beside a real Gaudi stack")
-    env = {
-        "VLLM_HPU_EMULATION": None,
-        "PYTHONPATH": os.pathsep.join([STANDIN_PATH, os.environ.get("PYTHONPATH", "")]),
-        "HABANA_STANDIN_TORCH_DEVICE": "1",
-        "HABANA_STANDIN_GENERATION": str(request.param),
-    }
+    env = standin_process_env(request.param, HABANA_STANDIN_TORCH_DEVICE="1")
     return job_result(run_python(LAYERS_JOB, env=env, timeout=300), "INC HPU flow job")
 
 

@@ -15,10 +15,10 @@ import pytest
 from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
-import json, os, socket, tempfile
+import json, os, tempfile
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 
 from vllm_gaudi_quant.methods.inc import HpuIncConfig
@@ -55,12 +55,7 @@ def run_config(config):
     return HpuIncConfig()
 
 with set_current_vllm_config(VllmConfig()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    single_process_parallel()
     gen = torch.Generator().manual_seed(1)
     calib = [torch.randn(7, 64, generator=gen) for _ in range(4)]
     test = torch.randn(9, 64, generator=gen)

@@ -19,10 +19,10 @@ import pytest
 from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
-import json, socket, sys
+import json, sys
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 
 sys.path.insert(0, __ROOT__)
@@ -111,12 +111,7 @@ def run(name):
     return out
 
 with set_current_vllm_config(VllmConfig()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    single_process_parallel()
     print("RESULT " + json.dumps({name: run(name) for name in CASES}))
 """
 

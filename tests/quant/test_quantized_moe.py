@@ -25,11 +25,11 @@ import pytest
 from tests.integration.generation import job_result
 
 LAYERS_JOB = r"""
-import json, os, socket, sys, types
+import json, os, sys, types
 import torch
 import torch.nn.functional as F
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.distributed import init_distributed_environment, initialize_model_parallel
+from vllm_gaudi_platform.testing.parallel import single_process_parallel
 from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
 sys.path.insert(0, __ROOT__)
@@ -293,12 +293,7 @@ def fp8_block_experts():
     build(HpuCompressedTensorsConfig.from_config(ct))
 
 with set_current_vllm_config(VllmConfig()):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method=f"tcp://127.0.0.1:{port}")
-    initialize_model_parallel(1, 1)
+    single_process_parallel()
     result = {name: run(name) for name in CASES}
     # FP8 experts as a Gaudi 2 runs them (E4M3 saturates at 240).
     set_generation(2)
