@@ -120,28 +120,38 @@ with set_current_vllm_config(VllmConfig()):
     measure.hpu_finalize_calibration(block)
     stats = json.load(open(os.path.join(work, "stats", "m_hooks_maxabs_0_1.json")))
 
-    quantize = hooks({**base, "mode": "QUANTIZE"})
+    fp8_max = 240.0 if _device.generation() == 2 else 448.0
+    weights = {k: f(getattr(float_block, k).weight) for k in LAYERS}
+
+    def check(qblock, out):
+        # Scales, classes, storage, and each output against the independent FP8 reference.
+        found = {"ref_err": {}, "weight_err": {}, "scales": {}, "classes": {}, "weights": {}}
+        for k in LAYERS:
+            m = getattr(qblock, k)
+            s_in, s_w = float(m.scale_input), float(m.scale_weight)
+            found["scales"][k] = [s_in, s_w]
+            found["classes"][k] = type(m).__name__
+            found["weights"][k] = [str(m.weight.dtype), m.weight.device.type]
+            stored = m.weight.detach().cpu()  # FP8 [in, out]: neural-compressor keeps it so
+            x8 = (f(test) / s_in).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            expect = (x8.float() @ stored.float()) * s_in * s_w
+            if getattr(m, "bias", None) is not None:
+                expect = expect + f(m.bias)
+            found["ref_err"][k] = float((expect - out[k]).abs().max() / out[k].abs().max())
+            w8 = (weights[k] / s_w).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+            found["weight_err"][k] = float((w8.float().t() - stored.float()).abs().max())
+        return found
+
+    quantize = hooks({**base, "mode": "QUANTIZE"})  # maxabs_hw, the Gaudi default
     qblock = quantize.hpu_after_load_model(build().to("hpu"))
     with torch.no_grad(), Tape() as tape:
         out = {k: f(v) for k, v in qblock(test).items()}
+    report = check(qblock, out)
 
-    fp8_max = 240.0 if _device.generation() == 2 else 448.0
-    weights = {k: f(getattr(float_block, k).weight) for k in LAYERS}
-    report = {"ref_err": {}, "weight_err": {}, "scales": {}, "classes": {}, "weights": {}}
-    for k in LAYERS:
-        m = getattr(qblock, k)
-        s_in, s_w = float(m.scale_input), float(m.scale_weight)
-        report["scales"][k] = [s_in, s_w]
-        report["classes"][k] = type(m).__name__
-        report["weights"][k] = [str(m.weight.dtype), m.weight.device.type]
-        stored = m.weight.detach().cpu()  # FP8, [in, out]: neural-compressor keeps it transposed
-        x8 = (f(test) / s_in).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-        expect = (x8.float() @ stored.float()) * s_in * s_w
-        if getattr(m, "bias", None) is not None:
-            expect = expect + f(m.bias)
-        report["ref_err"][k] = float((expect - out[k]).abs().max() / out[k].abs().max())
-        w8 = (weights[k] / s_w).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
-        report["weight_err"][k] = float((w8.float().t() - stored.float()).abs().max())
+    pow2 = hooks({**base, "mode": "QUANTIZE", "scale_method": "maxabs_pow2"})
+    pblock = pow2.hpu_after_load_model(build().to("hpu"))
+    with torch.no_grad():
+        report["pow2"] = check(pblock, {k: f(v) for k, v in pblock(test).items()})
     report.update(
         generation=_device.generation(),
         backend=backend().NAME,
@@ -198,6 +208,16 @@ def test_scales_are_the_generations_hardware_scales(flow):
                 exponent = scale.hex()  # a power of two has mantissa 1.0
                 assert exponent.startswith("0x1.0000000000000p"), (name, scale)
                 assert -55 <= int(exponent.split("p")[1]) <= 7, (name, scale)
+
+
+def test_maxabs_pow2_gives_power_of_two_scales_and_the_same_fp8_arithmetic(flow):
+    pow2 = flow["pow2"]
+    for name, scales in pow2["scales"].items():
+        for scale in scales:
+            assert scale.hex().startswith("0x1.0000000000000p"), (name, scale)
+    for name, err in pow2["ref_err"].items():
+        assert err <= 2**-7, (name, err)
+    assert pow2["weight_err"] == dict.fromkeys(LAYERS, 0.0)
 
 
 def test_every_layer_runs_gaudis_fp8_kernels_and_no_float_matmul(flow):
