@@ -484,10 +484,11 @@ class HpuIncConfig(QuantizationConfig):
         self.unquantized_experts = _unpatched_experts(model)
         if self.unquantized_experts:
             logger.warning(
-                "INC FP8: %d MoE expert layers (%s...) stay in %s: neural-compressor patches "
-                "vLLM's MoE by the class name FusedMoE, which vLLM %s's routed experts "
-                "(RoutedExperts) do not carry; linear layers are FP8. For FP8 experts serve an "
-                "FP8 checkpoint (--quantization fp8 or compressed-tensors) instead.",
+                "INC FP8: %d MoE expert layers (%s...) are left out, neither measured nor "
+                "quantized: they run in %s. neural-compressor patches vLLM's MoE by the class "
+                "name FusedMoE, which vLLM %s's routed experts (RoutedExperts) do not carry; the "
+                "linear layers are handled. For FP8 experts serve an FP8 checkpoint "
+                "(--quantization fp8 or compressed-tensors) instead.",
                 len(self.unquantized_experts),
                 self.unquantized_experts[0],
                 str(dtype).removeprefix("torch."),
