@@ -12,8 +12,6 @@ import pytest
 from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
 from tests.integration.generation import job_result
 
-pytestmark = pytest.mark.gaudi
-
 DEVICE_JOB = r"""
 import json, os
 os.environ["HABANA_STANDIN_TORCH_DEVICE"] = "1"
@@ -79,6 +77,7 @@ def test_torch_hpu_and_the_device_type_answer_for_the_stand_ins_generation(devic
     assert device["device_type"] == "synDeviceGaudi2"
 
 
+@pytest.mark.gaudi
 def test_scalar_overloads_compute_what_the_tensor_scale_forms_compute(standin_device):
     import habana_frameworks.torch  # noqa: F401
     import torch
