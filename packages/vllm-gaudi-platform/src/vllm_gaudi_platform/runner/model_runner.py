@@ -445,19 +445,16 @@ class HPUModelRunner(GPUModelRunner):
         """A serving step: replay its bucket's graph when it has one, else run eagerly; a mixed
         step split in two parts runs one forward pass per part."""
         entry = None
-        if (
-            self._planning
-            and input_ids is not None
-            and inputs_embeds is None
-            and intermediate_tensors is None
-            and not model_kwargs
-        ):
+        if self._planning and intermediate_tensors is None and not model_kwargs:
             layout = step_layout.current()
             if layout is not None and layout.parts is not None:
                 assert positions is not None
-                split = mixed_steps.forward_in_parts(
-                    self, layout, input_ids, positions, self._run_model
-                )
+                inputs = {
+                    "input_ids": input_ids,
+                    "positions": positions,
+                    "inputs_embeds": inputs_embeds,
+                }
+                split = mixed_steps.forward_in_parts(self, layout, inputs, self._run_model)
                 if split is not None:
                     return split
             entry = self.graphs.lookup(layout, get_forward_context().attn_metadata)
@@ -471,12 +468,12 @@ class HPUModelRunner(GPUModelRunner):
             )
         step_metadata = get_forward_context().attn_metadata
         assert isinstance(step_metadata, dict)
-        assert input_ids is not None and positions is not None
-        ids, pos = input_ids, positions
+        assert positions is not None
+        ids, pos, embeds = input_ids, positions, inputs_embeds
         hidden = self.graphs.replay(
             entry,
             step_metadata,
-            lambda static: self._graph_inputs(ids, pos, static),
+            lambda static: self._graph_inputs(ids, pos, static, embeds),
         )
         if self.is_pooling_model:
             # A graph writes every replay into the output tensors of its capture, while a pooler
@@ -495,19 +492,24 @@ class HPUModelRunner(GPUModelRunner):
 
     def _graph_forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         metadata: dict[str, HPUAttentionMetadata],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> Callable[[], Any]:
-        """The forward pass a graph records: the model on the static token buffers, with the
-        bucket's static attention metadata in the forward context (whoever set the context)."""
+        """The forward pass a graph records: the model on the static token buffers (token ids,
+        or a multimodal model's input embeddings), with the bucket's static attention metadata
+        in the forward context (whoever set the context)."""
+        tokens: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
+        if inputs_embeds is not None:
+            tokens["inputs_embeds"] = inputs_embeds
 
         def forward() -> Any:
             context = get_forward_context()
             saved = context.attn_metadata
             context.attn_metadata = metadata  # type: ignore[assignment]
             try:
-                return self.model(input_ids=input_ids, positions=positions)
+                return self.model(**tokens)
             finally:
                 context.attn_metadata = saved
 
@@ -515,14 +517,16 @@ class HPUModelRunner(GPUModelRunner):
 
     def _graph_inputs(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         metadata: dict[str, HPUAttentionMetadata],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> dict[str, Any]:
         """Every buffer a graph reads, by name (the emulated Graph checks them at each replay)."""
         distinct = list({id(md): md for md in metadata.values()}.values())
         return {
             "input_ids": input_ids,
+            "inputs_embeds": inputs_embeds,
             "positions": positions,
             "attn_metadata": distinct,
             "kv_caches": [kv for kv in self.kv_caches if isinstance(kv, torch.Tensor)],

@@ -175,8 +175,7 @@ def forward_with_metadata(
 ) -> None:
     """Warmup's forward pass of one bucket; with HPU graphs on (unless `capture` is False),
     the capture of its graph. `n` sequences get logits (none for a padding-only step)."""
-    input_ids = runner.input_ids.gpu[:total]
-    positions = runner.positions[:total]
+    input_ids, positions, inputs_embeds, model_kwargs = step_inputs(runner, total)
     pp = get_pp_group()
     # A pipeline stage after the first takes the previous stage's hidden states: warm it with
     # intermediate tensors of the bucket's padded token count, as serving steps pass them.
@@ -200,8 +199,8 @@ def forward_with_metadata(
             hidden = runner.graphs.capture(
                 (buckets, metadata.prefill_packed),
                 runner.seam.Graph(f"{name} packed" if metadata.prefill_packed else name),
-                runner._graph_forward(input_ids, positions, attn_metadata),
-                runner._graph_inputs(input_ids, positions, attn_metadata),
+                runner._graph_forward(input_ids, positions, attn_metadata, inputs_embeds),
+                runner._graph_inputs(input_ids, positions, attn_metadata, inputs_embeds),
                 attn_metadata,
             )
             runner.seam.synchronize()
@@ -211,6 +210,8 @@ def forward_with_metadata(
                 input_ids=input_ids,
                 positions=positions,
                 intermediate_tensors=intermediate,
+                inputs_embeds=inputs_embeds,
+                **model_kwargs,
             )
     if not pp.is_last_rank:
         # A stage before the last returns intermediate tensors; the LM head is not on it.
@@ -224,6 +225,28 @@ def forward_with_metadata(
         logits = runner.model.compute_logits(hidden[:n])
         del logits
     runner.seam.mark_step()
+
+
+def step_inputs(
+    runner: Any, total: int
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """What a serving step of `total` padded tokens hands the model, from the runner's own
+    buffers, so that warmup compiles the pass serving runs (vLLM's `_preprocess`): token ids,
+    or for a multimodal model (and with prompt embeddings) the input embeddings into which vLLM
+    merged the encoder outputs, plus the model's extra inputs; the 3-row positions of M-RoPE.
+
+    HPU graphs record these same buffers; under torch.compile each bucket compiles for them."""
+    positions = runner.mrope_positions.gpu[:, :total] if runner.uses_mrope else None
+    if positions is None:
+        positions = runner.positions[:total]
+    first_rank = get_pp_group().is_first_rank
+    if first_rank and runner.supports_mm_inputs and not runner.model_config.is_encoder_decoder:
+        input_ids, inputs_embeds = runner._prepare_mm_inputs(total)
+        kwargs = {**runner._init_model_kwargs(num_reqs=0), **runner._dummy_mm_kwargs(1)}
+        return input_ids, positions, inputs_embeds, kwargs
+    if first_rank and runner.enable_prompt_embeds:
+        return None, positions, runner.inputs_embeds.gpu[:total], {}
+    return runner.input_ids.gpu[:total], positions, None, {}
 
 
 def _intermediate_tensors_for(runner: Any, num_tokens: int) -> Any:

@@ -228,7 +228,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
 
 
-def _build_tokenizer(path: Path) -> None:
+def _build_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> Any:
+    """Train the byte-level BPE tokenizer on CORPUS and save it to `path`; returns it.
+    `extra_special` tokens (a vision model's placeholders) take the ids after <pad>, <s>, </s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -237,7 +239,7 @@ def _build_tokenizer(path: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=["<pad>", "<s>", "</s>"],
+        special_tokens=["<pad>", "<s>", "</s>", *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -247,6 +249,7 @@ def _build_tokenizer(path: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+    return fast
 
 
 def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Path:

@@ -1,0 +1,138 @@
+"""Tiny vision-language models built locally, for the tests: no model hub needed.
+
+Each is a real Hugging Face architecture (vision tower, projector, language model) with seeded
+random weights, saved with its processor (image processor, the tiny BPE tokenizer of
+`tinymodels` with the model's placeholder tokens, a chat template that places an image where a
+message part says so), once under the tiny-model cache folder and reused.
+
+Images for the tests come from `images()`: seeded random RGB pictures of the sizes asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_gaudi_platform.testing import tinymodels
+
+# A chat template whose messages hold a string or a list of parts ({"type": "text", "text": ..}
+# or {"type": "image"}, as vLLM's chat handling passes them), with the image placeholder in
+# `{image}`.
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' or c['type'] == 'image_url' %}{image}"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+_TEXT = {
+    "vocab_size": tinymodels.VOCAB_SIZE,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.25,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+QWEN_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# name -> what the builder needs. Qwen2.5-VL: a 2-block vision tower (block 0 attends within
+# 2x2-token windows of 56 pixels, block 1 globally, as Qwen's fullatt_block_indexes say), 14-pixel
+# patches merged 2x2 into one language token (so 28x28 pixels per token), M-RoPE over t/h/w
+# sections of the 16 rotary pairs. The image processor keeps images between 4 and 64 tokens.
+MODELS: dict[str, dict[str, Any]] = {
+    "qwen2.5-vl": {
+        "text": {
+            **_TEXT,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 6, 6],
+            },
+        },
+        "vision": {
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "fullatt_block_indexes": [1],
+            "window_size": 56,
+            "initializer_range": 0.25,
+        },
+        "pixels": (28 * 28 * 4, 28 * 28 * 64),
+    },
+}
+
+
+def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) -> Path:
+    """Path of the tiny vision-language model `name`, building and caching it on first use."""
+    if name not in MODELS:
+        raise ValueError(f"Unknown tiny vision model {name!r}; choose one of {sorted(MODELS)}.")
+    spec = MODELS[name]
+    recipe = [name, spec, seed, tinymodels.CORPUS, _CHAT_TEMPLATE]
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    path = (root or tinymodels.cache_root()) / f"tiny-{name}-{key}"
+    if (path / "config.json").exists() and (path / "processor_config.json").exists():
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    _build_qwen2_5_vl(tmp, spec, seed)
+    with contextlib.suppress(OSError):  # another process built it first
+        tmp.rename(path)
+    return path
+
+
+def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
+    import torch
+    import transformers
+
+    tokenizer = tinymodels._build_tokenizer(path, QWEN_SPECIAL)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in QWEN_SPECIAL}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=spec["text"],
+        vision_config=spec["vision"],
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    template = _CHAT_TEMPLATE.replace("{image}", "<|vision_start|><|image_pad|><|vision_end|>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    low, high = spec["pixels"]
+    processor = transformers.Qwen2_5_VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
+        video_processor=transformers.Qwen2VLVideoProcessor(),
+        tokenizer=tokenizer,
+        chat_template=template,
+    )
+    processor.save_pretrained(path)
+
+
+def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[Any]:
+    """Seeded random RGB pictures (PIL images), one per (height, width)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]

@@ -1,0 +1,157 @@
+"""Vision-language models end to end on the HPU platform (CPU emulation): a tiny Qwen2.5-VL
+(vision tower with windowed and global attention, 2x2 patch merger, M-RoPE) offline with
+`LLM.generate(multi_modal_data=...)` and served with chat completions carrying base64 images,
+both equal to transformers' greedy output under vLLM's top-5 rule.
+
+Offline, two rounds: the second repeats every prompt (found in the prefix cache, images hashed)
+and adds one with "square"'s token ids but other pixels, which only the image hash tells apart.
+One prompt's prefill is chunked across its image. The language model's buckets are warmed with
+the inputs serving hands them (embeddings, 3-row M-RoPE positions), so nothing compiles after
+warmup: offline in lazy mode (HPU graphs, the suite's mode), served in eager mode (torch.compile,
+Gaudi's default). The vision tower runs op by op (its own buckets are not warmed yet).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration import openai_server
+from tests.integration.generation import ENGINE, assert_close, job_result, run_job
+from tests.integration.vision import (
+    CASES,
+    MAX_TOKENS,
+    chat_messages,
+    chat_result,
+    hf_greedy,
+)
+from vllm_gaudi_platform.testing import tinyvision
+
+pytestmark = pytest.mark.engine
+
+JOB = Path(__file__).with_name("vision_job.py")
+REPO = Path(__file__).resolve().parents[2]
+FIRST = [name for name in CASES if name != "square, other pixels"]
+SECOND = [*FIRST, "square, other pixels"]
+VISION_ENGINE = {
+    **ENGINE,
+    "max_num_seqs": 8,
+    "limit_mm_per_prompt": {"image": 2, "video": 0},
+    "disable_log_stats": False,
+}
+SERVED = ["square", "two images", "chunked"]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tinyvision.build("qwen2.5-vl"))
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict[str, dict]:
+    return hf_greedy(model, SECOND)
+
+
+@pytest.fixture(scope="module")
+def offline(model) -> dict:
+    job = {"model": model, "rounds": [FIRST, SECOND], "engine": VISION_ENGINE, "stats": True}
+    proc = run_job(JOB, json.dumps(job), {"PYTHONPATH": str(REPO)})
+    return job_result(proc, "the offline vision job")
+
+
+def test_offline_runs_on_the_hpu_platform(offline):
+    assert offline["platform"] == "HpuPlatform"
+
+
+@pytest.mark.parametrize("round_index", [0, 1])
+def test_offline_generation_with_images_matches_transformers(offline, reference, round_index):
+    outputs = offline["rounds"][round_index]
+    names = list(outputs)
+    diverged = assert_close(
+        [outputs[n] for n in names], [reference[n] for n in names], f"round {round_index}"
+    )
+    assert diverged == 0, f"{diverged} of {len(names)} prompts took a near-tie"
+
+
+def test_second_round_reads_the_prefix_cache_and_tells_images_apart(offline, reference):
+    first, second = offline["prefix_cache"]
+    hits = second["vllm:prefix_cache_hits"] - first["vllm:prefix_cache_hits"]
+    assert hits >= 128, f"the repeated prompts found {hits} cached tokens"
+    same_ids = offline["rounds"][1]
+    assert same_ids["square, other pixels"]["tokens"] == reference["square, other pixels"]["tokens"]
+    assert reference["square, other pixels"]["tokens"] != reference["square"]["tokens"]
+
+
+def test_vision_tower_attention_runs_on_the_encoder_attention_family(offline):
+    assert offline["op_counts"].get("encoder_attention", 0) > 0, offline["op_counts"]
+
+
+def test_language_model_replays_warmed_graphs_only(offline):
+    """Lazy mode (the suite's): every step, mixed ones split in parts, replays a graph captured
+    in warmup on the embeddings and M-RoPE positions serving hands the model."""
+    stats = offline["stats"]
+    assert stats["graphs_enabled"] and stats["num_graphs"] > 0, stats
+    assert stats["recompiles"] == 0 and stats["unwarmed_buckets"] == [], stats
+    assert stats["eager_steps"] == 0 and stats["graph_replays"] > 0, stats
+    assert stats["split_steps"] > 0, "no mixed prefill + decode step was exercised"
+
+
+# ---- served: chat completions with base64 images ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(model, clean_env, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("serve-vision") / "server.log"
+    env = openai_server.server_env(clean_env({"PT_HPU_LAZY_MODE": "0"}))
+    engine = {k: v for k, v in VISION_ENGINE.items() if k != "disable_log_stats"}
+    engine["limit_mm_per_prompt"] = json.dumps(VISION_ENGINE["limit_mm_per_prompt"])
+    with openai_server.running(openai_server.engine_args(model, engine), env, log) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def served(server) -> dict[str, dict]:
+    results = {}
+    with httpx.Client(base_url=server, timeout=300, trust_env=False) as client:
+        for name in SERVED:
+            body = {
+                "messages": chat_messages(CASES[name]),
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": 5,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            }
+            choice = openai_server.post(client, "/v1/chat/completions", body)["choices"][0]
+            results[name] = chat_result(choice)
+        results["stats"] = openai_server.post(
+            client, "/collective_rpc", {"method": "get_recompile_stats"}
+        )
+    return results
+
+
+def test_served_chat_with_base64_images_matches_transformers(served, reference):
+    diverged = assert_close(
+        [served[n] for n in SERVED], [reference[n] for n in SERVED], "served chat"
+    )
+    assert diverged == 0
+
+
+def test_served_chat_compiles_nothing_after_warmup(served):
+    """The server runs Gaudi's default eager mode (torch.compile per bucket)."""
+    stats = served["stats"]["results"][0]
+    assert stats["compiled_forward_on"], stats
+    assert stats["compiled_graphs"]["warmup"] > 0, stats
+    assert stats["recompiles"] == 0 and stats["compile_recompiles"] == 0, stats
+    assert stats["graph_breaks"] == {"warmup": [], "serving": []}, stats
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

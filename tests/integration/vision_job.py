@@ -1,0 +1,66 @@
+"""Runs one offline vision-language job in a fresh process and prints the results as JSON.
+
+    python vision_job.py '<json job>'
+
+Job keys: model (path), rounds (lists of tests.integration.vision case names, submitted one
+list at a time, so a later round can find an earlier one in the prefix cache), engine (LLM
+kwargs), stats (bool: the HPU runner's recompile statistics and the op-family call counts).
+Prints the greedy tokens and top-5 logprobs of every case per round, and vLLM's prefix cache
+counters after each round.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _prefix_cache(llm) -> dict[str, float]:
+    wanted = {"vllm:prefix_cache_queries", "vllm:prefix_cache_hits"}
+    return {m.name: m.value for m in llm.get_metrics() if m.name in wanted}
+
+
+def run(job: dict) -> dict:
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+
+    from tests.integration.vision import CASES, MAX_TOKENS, prompt_text
+
+    processor = AutoProcessor.from_pretrained(job["model"])
+    llm = LLM(model=job["model"], **job["engine"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5, ignore_eos=True)
+    rounds, cache = [], []
+    for names in job["rounds"]:
+        requests = [
+            {
+                "prompt": prompt_text(processor, CASES[name]),
+                "multi_modal_data": {"image": CASES[name].images()},
+            }
+            for name in names
+        ]
+        outs = llm.generate(requests, params, use_tqdm=False)
+        rounds.append(
+            {
+                name: {
+                    "tokens": list(o.outputs[0].token_ids),
+                    "logprobs": [
+                        {str(t): lp.logprob for t, lp in step.items()}
+                        for step in o.outputs[0].logprobs
+                    ],
+                }
+                for name, o in zip(names, outs, strict=True)
+            }
+        )
+        cache.append(_prefix_cache(llm))
+    result = {"rounds": rounds, "prefix_cache": cache}
+    if job.get("stats"):
+        from vllm_gaudi_ops import stats
+
+        result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
+        result["op_counts"] = dict(stats.COUNTS)
+        result["platform"] = type(__import__("vllm.platforms").platforms.current_platform).__name__
+    return result
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
