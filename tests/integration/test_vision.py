@@ -1,7 +1,8 @@
 """Vision-language models end to end on the HPU platform (CPU emulation): a tiny Qwen2.5-VL
 (vision tower with windowed and global attention, 2x2 patch merger, M-RoPE) offline with
 `LLM.generate(multi_modal_data=...)` and served with chat completions carrying base64 images,
-both equal to transformers' greedy output under vLLM's top-5 rule.
+both equal to transformers' greedy output under vLLM's top-5 rule, and offline equal to vLLM's
+own CPU backend.
 
 Offline, two rounds: the second repeats every prompt (found in the prefix cache, images hashed)
 and adds one with "square"'s token ids but other pixels, which only the image hash tells apart.
@@ -64,6 +65,15 @@ def offline(model) -> dict:
     return job_result(proc, "the offline vision job")
 
 
+@pytest.fixture(scope="module")
+def cpu_backend(model) -> dict:
+    """vLLM's own CPU backend on the first round (eager: compiling costs more than it runs)."""
+    engine = {**VISION_ENGINE, "enforce_eager": True}
+    job = {"model": model, "rounds": [FIRST], "engine": engine}
+    proc = run_job(JOB, json.dumps(job), {"PYTHONPATH": str(REPO)}, emulate=False)
+    return job_result(proc, "the vision job on vLLM's CPU backend")
+
+
 def test_offline_runs_on_the_hpu_platform(offline):
     assert offline["platform"] == "HpuPlatform"
 
@@ -76,6 +86,12 @@ def test_offline_generation_with_images_matches_transformers(offline, reference,
         [outputs[n] for n in names], [reference[n] for n in names], f"round {round_index}"
     )
     assert diverged == 0, f"{diverged} of {len(names)} prompts took a near-tie"
+
+
+def test_offline_generation_matches_vllm_cpu_backend(offline, cpu_backend):
+    ours, theirs = offline["rounds"][0], cpu_backend["rounds"][0]
+    diverged = assert_close([ours[n] for n in FIRST], [theirs[n] for n in FIRST], "vs CPU backend")
+    assert diverged == 0
 
 
 def test_second_round_reads_the_prefix_cache_and_tells_images_apart(offline, reference):

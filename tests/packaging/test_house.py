@@ -119,12 +119,24 @@ def test_no_source_module_runs_past_600_lines():
 
 
 # One interpreter imports the heavy third-party packages once, then forks a child per module:
-# each child starts with none of our modules imported and imports exactly one.
+# each child starts with none of our modules imported and imports exactly one. Two children run
+# at a time (the machines have two cores); each reports through its own pipe (a short traceback,
+# well inside a pipe's buffer, so a child never blocks on it).
 IMPORT_ALONE = r"""
 import json, os, sys, traceback
 import torch, vllm, transformers  # noqa: F401  (third-party, shared by the children)
-results = {}
+results, running = {}, {}
+def reap():
+    pid, _ = os.wait()
+    name, read = running.pop(pid)
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    results[name] = b"".join(chunks).decode()
 for name in json.loads(NAMES):
+    if len(running) >= 2:
+        reap()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -137,12 +149,9 @@ for name in json.loads(NAMES):
         os.write(write, message.encode())
         os._exit(0)
     os.close(write)
-    chunks = []
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    results[name] = b"".join(chunks).decode()
+    running[pid] = (name, read)
+while running:
+    reap()
 print("ALONE " + json.dumps(results))
 """
 

@@ -110,3 +110,15 @@ def test_wheel_long_description_is_the_readme(wheels, member):
 
     assert metadata["Description-Content-Type"] == "text/markdown"
     assert metadata.get_payload().strip() == readme.strip()
+
+
+def test_platform_wheel_ships_the_torchvision_hook_at_the_top_of_site_packages(wheels):
+    """The .pth runs vllm_gaudi_platform.torchvision_schemas.install() at interpreter start; a
+    .pth is only read at the top of site-packages."""
+    wheel = wheels["vllm-gaudi-platform"]
+    assert "vllm_gaudi_torchvision.pth" in wheel.names()
+    import zipfile
+
+    with zipfile.ZipFile(wheel.path) as z:
+        text = z.read("vllm_gaudi_torchvision.pth").decode()
+    assert text.startswith("import vllm_gaudi_platform.torchvision_schemas;")

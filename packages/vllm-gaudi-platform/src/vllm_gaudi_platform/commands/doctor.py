@@ -499,6 +499,23 @@ def _check_quantization(report: Report, wheels: list[Wheel], allowed: list[str] 
             )
 
 
+def _check_torchvision(report: Report) -> None:
+    """Vision-language models need torchvision's Python parts (their processors)."""
+    try:
+        found = metadata.version("torchvision")
+    except metadata.PackageNotFoundError:
+        report.info.append("torchvision not installed: vision-language models need it")
+        return
+    torch_found = report.versions.get("torch", {}).get("found") or ""
+    if found.partition("+")[2] == torch_found.partition("+")[2]:
+        return
+    report.info.append(
+        f"torchvision {found} is not the build of torch {torch_found or '?'}: its compiled ops "
+        "(nms, roi_align) may not load; its Python parts, which vision-language models need, "
+        "import through the platform wheel's schema hook (torchvision_schemas)"
+    )
+
+
 def collect() -> Report:
     """Run every check against the installed metadata and the environment."""
     report = Report()
@@ -511,6 +528,7 @@ def collect() -> Report:
     _check_target_device(report)
     _check_device(report)
     _check_versions(report)
+    _check_torchvision(report)
     _check_optional(report, wheels)
     _check_quantization(report, wheels, allowed)
     _check_settings(report)

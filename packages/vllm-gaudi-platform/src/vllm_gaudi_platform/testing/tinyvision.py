@@ -78,6 +78,28 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
+LLAVA_SPECIAL = ("<image>",)
+
+# Llava-style: a CLIP vision tower (2 layers; the features of the second to last, CLS token
+# dropped, as Llava 1.5 reads them), a 2-layer GELU projector, and a Llama. Every image is resized
+# and center-cropped to 56x56 pixels: 4x4 patches of 14, so 16 language tokens per image.
+MODELS["llava"] = {
+    "text": {**_TEXT, "model_type": "llama"},
+    "vision": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "projection_dim": 64,
+        "initializer_range": 0.25,
+    },
+    "pixels": 56,
+}
+
+
 def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) -> Path:
     """Path of the tiny vision-language model `name`, building and caching it on first use."""
     if name not in MODELS:
@@ -90,7 +112,8 @@ def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) 
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    _build_qwen2_5_vl(tmp, spec, seed)
+    builder = _build_llava if name == "llava" else _build_qwen2_5_vl
+    builder(tmp, spec, seed)
     with contextlib.suppress(OSError):  # another process built it first
         tmp.rename(path)
     return path
@@ -125,6 +148,42 @@ def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
         video_processor=transformers.Qwen2VLVideoProcessor(),
         tokenizer=tokenizer,
         chat_template=template,
+    )
+    processor.save_pretrained(path)
+
+
+def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
+    import torch
+    import transformers
+
+    tokenizer = tinymodels._build_tokenizer(path, LLAVA_SPECIAL)
+    side, patch = spec["pixels"], spec["vision"]["patch_size"]
+    config = transformers.LlavaConfig(
+        vision_config=spec["vision"],
+        text_config=spec["text"],
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        image_seq_length=(side // patch) ** 2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    template = _CHAT_TEMPLATE.replace("{image}", "<image>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    processor = transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(
+            size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+        ),
+        tokenizer=tokenizer,
+        patch_size=patch,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # CLIP's CLS token, which "default" drops
+        chat_template=template,
+        image_token="<image>",
     )
     processor.save_pretrained(path)
 
