@@ -1,21 +1,25 @@
-"""Vision-language models end to end on the HPU platform (CPU emulation): a tiny Qwen2.5-VL
-(vision tower with windowed and global attention, 2x2 patch merger, M-RoPE) offline with
+"""Vision-language models end to end on the HPU platform (CPU emulation), offline with
 `LLM.generate(multi_modal_data=...)` and served with chat completions carrying base64 images,
-both equal to transformers' greedy output under vLLM's top-5 rule, and offline equal to vLLM's
-own CPU backend.
+equal to transformers' greedy output under vLLM's top-5 rule and, offline, to vLLM's own CPU
+backend:
+
+- a tiny Qwen2.5-VL: vision tower with windowed and global attention, 2x2 patch merger, M-RoPE
+  (three position rows), images of 4 to 64 tokens by size;
+- a tiny Llava-style model: CLIP tower (features of its second to last layer), GELU projector,
+  Llama; every image 16 tokens. vLLM's Llava module is the one that needs torchvision to import.
 
 Offline, two rounds: the second repeats every prompt (found in the prefix cache, images hashed)
 and adds one with "square"'s token ids but other pixels, which only the image hash tells apart.
-One prompt's prefill is chunked across its image. The language model's buckets are warmed with
-the inputs serving hands them (embeddings, 3-row M-RoPE positions), so nothing compiles after
-warmup: offline in lazy mode (HPU graphs, the suite's mode), served in eager mode (torch.compile,
-Gaudi's default). The vision tower runs op by op (its own buckets are not warmed yet).
+One prompt's prefill is chunked across its image, and mixed prefill + decode steps are split into
+warmed buckets. The language model's buckets are warmed with the inputs serving hands them
+(embeddings, M-RoPE positions), so nothing compiles after warmup: offline in lazy mode (HPU
+graphs, the suite's mode), served in eager mode (torch.compile, Gaudi's default). The vision
+towers run op by op (their own buckets are not warmed yet).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,20 +27,21 @@ import httpx
 import pytest
 
 from tests.integration import openai_server
-from tests.integration.generation import ENGINE, assert_close, job_result, run_job
-from tests.integration.vision import (
-    CASES,
-    MAX_TOKENS,
-    chat_messages,
-    chat_result,
-    hf_greedy,
+from tests.integration.generation import (
+    ENGINE,
+    assert_close,
+    job_result,
+    named_job_outputs,
+    run_job,
 )
+from tests.integration.vision import CASES, MAX_TOKENS, chat_messages, chat_result, hf_greedy
 from vllm_gaudi_platform.testing import tinyvision
 
 pytestmark = pytest.mark.engine
 
 JOB = Path(__file__).with_name("vision_job.py")
 REPO = Path(__file__).resolve().parents[2]
+MODELS = ("qwen2.5-vl", "llava")
 FIRST = [name for name in CASES if name != "square, other pixels"]
 SECOND = [*FIRST, "square, other pixels"]
 VISION_ENGINE = {
@@ -48,30 +53,51 @@ VISION_ENGINE = {
 SERVED = ["square", "two images", "chunked"]
 
 
-@pytest.fixture(scope="module")
-def model() -> str:
-    return str(tinyvision.build("qwen2.5-vl"))
+def _job_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(REPO)}
 
 
 @pytest.fixture(scope="module")
-def reference(model) -> dict[str, dict]:
-    return hf_greedy(model, SECOND)
+def models() -> dict[str, str]:
+    return {name: str(tinyvision.build(name)) for name in MODELS}
 
 
 @pytest.fixture(scope="module")
-def offline(model) -> dict:
-    job = {"model": model, "rounds": [FIRST, SECOND], "engine": VISION_ENGINE, "stats": True}
-    proc = run_job(JOB, json.dumps(job), {"PYTHONPATH": str(REPO)})
-    return job_result(proc, "the offline vision job")
+def reference(models) -> dict[str, dict[str, dict]]:
+    return {name: hf_greedy(path, SECOND) for name, path in models.items()}
+
+
+_OFFLINE: dict[str, dict] = {}
+
+
+@pytest.fixture(params=MODELS)
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def offline(models, arch) -> dict:
+    """The model's offline HPU run (one engine per model, shared by its tests)."""
+    if arch not in _OFFLINE:
+        job = {"model": models[arch], "rounds": [FIRST, SECOND], "engine": VISION_ENGINE}
+        proc = run_job(JOB, json.dumps({arch: {**job, "stats": True}}), _job_env())
+        _OFFLINE[arch] = named_job_outputs(proc).get(arch) or job_result(proc, f"{arch} offline")
+    return _OFFLINE[arch]
 
 
 @pytest.fixture(scope="module")
-def cpu_backend(model) -> dict:
-    """vLLM's own CPU backend on the first round (eager: compiling costs more than it runs)."""
+def cpu_backend(models) -> dict[str, dict]:
+    """vLLM's own CPU backend on the first round, both models in one process (eager: compiling
+    costs more than the few tokens it runs)."""
     engine = {**VISION_ENGINE, "enforce_eager": True}
-    job = {"model": model, "rounds": [FIRST], "engine": engine}
-    proc = run_job(JOB, json.dumps(job), {"PYTHONPATH": str(REPO)}, emulate=False)
-    return job_result(proc, "the vision job on vLLM's CPU backend")
+    jobs = {
+        name: {"model": path, "rounds": [FIRST], "engine": engine} for name, path in models.items()
+    }
+    proc = run_job(JOB, json.dumps(jobs), _job_env(), emulate=False)
+    results = named_job_outputs(proc)
+    if set(results) != set(MODELS):
+        pytest.fail(f"vLLM's CPU backend printed {sorted(results)}:\n{proc.stderr[-5000:]}")
+    return results
 
 
 def test_offline_runs_on_the_hpu_platform(offline):
@@ -79,28 +105,29 @@ def test_offline_runs_on_the_hpu_platform(offline):
 
 
 @pytest.mark.parametrize("round_index", [0, 1])
-def test_offline_generation_with_images_matches_transformers(offline, reference, round_index):
+def test_offline_generation_with_images_matches_transformers(offline, reference, arch, round_index):
     outputs = offline["rounds"][round_index]
     names = list(outputs)
+    ref = reference[arch]
     diverged = assert_close(
-        [outputs[n] for n in names], [reference[n] for n in names], f"round {round_index}"
+        [outputs[n] for n in names], [ref[n] for n in names], f"{arch} round {round_index}"
     )
     assert diverged == 0, f"{diverged} of {len(names)} prompts took a near-tie"
 
 
-def test_offline_generation_matches_vllm_cpu_backend(offline, cpu_backend):
-    ours, theirs = offline["rounds"][0], cpu_backend["rounds"][0]
-    diverged = assert_close([ours[n] for n in FIRST], [theirs[n] for n in FIRST], "vs CPU backend")
+def test_offline_generation_matches_vllm_cpu_backend(offline, cpu_backend, arch):
+    ours, theirs = offline["rounds"][0], cpu_backend[arch]["rounds"][0]
+    diverged = assert_close([ours[n] for n in FIRST], [theirs[n] for n in FIRST], arch)
     assert diverged == 0
 
 
-def test_second_round_reads_the_prefix_cache_and_tells_images_apart(offline, reference):
+def test_second_round_reads_the_prefix_cache_and_tells_images_apart(offline, reference, arch):
     first, second = offline["prefix_cache"]
     hits = second["vllm:prefix_cache_hits"] - first["vllm:prefix_cache_hits"]
     assert hits >= 128, f"the repeated prompts found {hits} cached tokens"
-    same_ids = offline["rounds"][1]
-    assert same_ids["square, other pixels"]["tokens"] == reference["square, other pixels"]["tokens"]
-    assert reference["square, other pixels"]["tokens"] != reference["square"]["tokens"]
+    other = "square, other pixels"
+    assert offline["rounds"][1][other]["tokens"] == reference[arch][other]["tokens"]
+    assert reference[arch][other]["tokens"] != reference[arch]["square"]["tokens"]
 
 
 def test_vision_tower_attention_runs_on_the_encoder_attention_family(offline):
@@ -109,7 +136,7 @@ def test_vision_tower_attention_runs_on_the_encoder_attention_family(offline):
 
 def test_language_model_replays_warmed_graphs_only(offline):
     """Lazy mode (the suite's): every step, mixed ones split in parts, replays a graph captured
-    in warmup on the embeddings and M-RoPE positions serving hands the model."""
+    in warmup on the embeddings (and M-RoPE positions) serving hands the model."""
     stats = offline["stats"]
     assert stats["graphs_enabled"] and stats["num_graphs"] > 0, stats
     assert stats["recompiles"] == 0 and stats["unwarmed_buckets"] == [], stats
@@ -117,16 +144,17 @@ def test_language_model_replays_warmed_graphs_only(offline):
     assert stats["split_steps"] > 0, "no mixed prefill + decode step was exercised"
 
 
-# ---- served: chat completions with base64 images ----------------------------------------------
+# ---- served: chat completions with base64 images (Qwen2.5-VL) ---------------------------------
 
 
 @pytest.fixture(scope="module")
-def server(model, clean_env, tmp_path_factory) -> Iterator[str]:
+def server(models, clean_env, tmp_path_factory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("serve-vision") / "server.log"
     env = openai_server.server_env(clean_env({"PT_HPU_LAZY_MODE": "0"}))
     engine = {k: v for k, v in VISION_ENGINE.items() if k != "disable_log_stats"}
     engine["limit_mm_per_prompt"] = json.dumps(VISION_ENGINE["limit_mm_per_prompt"])
-    with openai_server.running(openai_server.engine_args(model, engine), env, log) as base:
+    args = openai_server.engine_args(models["qwen2.5-vl"], engine)
+    with openai_server.running(args, env, log) as base:
         yield base
 
 
@@ -154,9 +182,8 @@ def served(server) -> dict[str, dict]:
 
 
 def test_served_chat_with_base64_images_matches_transformers(served, reference):
-    diverged = assert_close(
-        [served[n] for n in SERVED], [reference[n] for n in SERVED], "served chat"
-    )
+    ref = reference["qwen2.5-vl"]
+    diverged = assert_close([served[n] for n in SERVED], [ref[n] for n in SERVED], "served chat")
     assert diverged == 0
 
 
@@ -167,7 +194,3 @@ def test_served_chat_compiles_nothing_after_warmup(served):
     assert stats["compiled_graphs"]["warmup"] > 0, stats
     assert stats["recompiles"] == 0 and stats["compile_recompiles"] == 0, stats
     assert stats["graph_breaks"] == {"warmup": [], "serving": []}, stats
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,16 +1,18 @@
-"""Runs one offline vision-language job in a fresh process and prints the results as JSON.
+"""Runs offline vision-language jobs in a fresh process and prints the results as JSON.
 
-    python vision_job.py '<json job>'
+    python vision_job.py '<json {name: job}>'
 
-Job keys: model (path), rounds (lists of tests.integration.vision case names, submitted one
-list at a time, so a later round can find an earlier one in the prefix cache), engine (LLM
-kwargs), stats (bool: the HPU runner's recompile statistics and the op-family call counts).
-Prints the greedy tokens and top-5 logprobs of every case per round, and vLLM's prefix cache
-counters after each round.
+Runs each named job in turn (one engine after another in this process) and prints one
+`RESULT <name> <json>` line per job. Job keys: model (path), rounds (lists of
+tests.integration.vision case names, submitted one list at a time, so a later round can find an
+earlier one in the prefix cache), engine (LLM kwargs), stats (bool: the HPU runner's recompile
+statistics and the op-family call counts). Prints the greedy tokens and top-5 logprobs of every
+case per round, and vLLM's prefix cache counters after each round.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -63,4 +65,6 @@ def run(job: dict) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    for name, job in json.loads(sys.argv[1]).items():
+        print(f"RESULT {name} " + json.dumps(run(job)), flush=True)
+        gc.collect()  # the finished job's engine shuts down before the next one starts

@@ -171,6 +171,17 @@ def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
+    # The hub's Llava checkpoints name the tower's weights `vision_tower.vision_model.*` (a
+    # CLIPVisionModel), which is what vLLM's loader maps; transformers 5 saves them one level
+    # up. Rewritten to the hub's names, which transformers reads back as well.
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    renamed = {
+        name.replace("vision_tower.", "vision_tower.vision_model.", 1): tensor
+        for name, tensor in weights.items()
+    }
+    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
     template = _CHAT_TEMPLATE.replace("{image}", "<image>")
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
