@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
 from tests.integration.generation import (
-    ENGINE,
+    COMPILE_ENGINE,
     assert_close,
     make_prompts,
     named_job_outputs,
@@ -58,7 +58,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
             "checkpoints": {name: str(paths[name]) for name in MODELS},
             "prompts": make_prompts()[:6],
             "max_tokens": MAX_TOKENS,
-            "engine": ENGINE,
+            "engine": COMPILE_ENGINE,
         }
     )
     common = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PT_HPU_LAZY_MODE": "1"}
@@ -124,7 +124,7 @@ def compiled_runs(tmp_path_factory) -> dict[str, dict]:
             "cases": {name: {"model": str(paths[name])} for name in COMPILED},
             "prompts": make_prompts()[:6],
             "max_tokens": MAX_TOKENS,
-            "engine": ENGINE,
+            "engine": COMPILE_ENGINE,
         }
     )
     env = {"PT_HPU_LAZY_MODE": "0", **GAUDI_ENV}

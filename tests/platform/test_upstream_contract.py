@@ -113,6 +113,32 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(f"{RUNNER}._sync_device", "HPUModelRunner synchronizes through the seam"),
     Upstream(
+        f"{RUNNER}._execute_mm_encoder",
+        "runner/vision.py encodes one item per pass: the batching it looks up in its module",
+        mentions=("group_and_batch_mm_kwargs", "embed_multimodal"),
+    ),
+    Upstream(
+        "vllm.v1.worker.gpu_model_runner:group_and_batch_mm_kwargs",
+        "runner/vision.py replaces it for one encoder pass per item",
+        params=("mm_kwargs",),
+        keywords=("device", "pin_memory"),
+    ),
+    Upstream(
+        f"{RUNNER}._prepare_mm_inputs",
+        "runner/warmup.py step_inputs: a multimodal step's inputs, as serving hands them",
+        params=("num_tokens",),
+    ),
+    Upstream(
+        f"{RUNNER}._dummy_mm_kwargs",
+        "runner/warmup.py step_inputs: the extra inputs of raw-input multimodal models",
+        params=("num_seqs",),
+    ),
+    Upstream(
+        "vllm.multimodal.processing.processor:BaseMultiModalProcessor.get_dummy_inputs",
+        "runner/vision.py builds a dummy image of each size to warm",
+        params=("seq_len", "mm_counts", "mm_options"),
+    ),
+    Upstream(
         f"{RUNNER}._model_forward",
         "HPUModelRunner replays the step's bucket graph here (vLLM passes these by name)",
         keywords=("input_ids", "positions", "intermediate_tensors", "inputs_embeds"),

@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
 from tests.integration.generation import (
+    COMPILE_ENGINE,
     ENGINE,
     assert_close,
     hf_greedy,
@@ -149,7 +150,7 @@ def compiled(model, calibration) -> dict:
         "cases": {"inc": {"model": model, "engine": {"quantization": "inc"}}},
         "prompts": make_prompts()[:6],
         "max_tokens": 6,
-        "engine": ENGINE,
+        "engine": COMPILE_ENGINE,
     }
     env = {"PT_HPU_LAZY_MODE": "0", "QUANT_CONFIG": str(calibration[0] / "quant_config.json")}
     proc = run_job(COMPILE_JOB, json.dumps(job), env, timeout=600)

@@ -111,6 +111,14 @@ VLLM_MOE_GATHER_MAX_TOKENS = _declare(
     "weights' format).",
     kind="int",
 )
+VLLM_HPU_VISION_WARMUP = _declare(
+    "VLLM_HPU_VISION_WARMUP",
+    None,
+    "Image sizes (pixels, 'HEIGHTxWIDTH', comma-separated) whose vision-encoder shapes warmup "
+    "runs, one image per encoder pass, so serving images of these sizes compiles nothing. Unset: "
+    "the largest image the model's processor makes. An image of another size still runs (a "
+    "recompile, counted).",
+)
 VLLM_HPU_EMULATION_MEMORY_GB = _declare(
     "VLLM_HPU_EMULATION_MEMORY_GB",
     "8",
@@ -326,6 +334,24 @@ def moe_gather_max_tokens() -> int | None:
             "unset it to let each MoE layer choose."
         )
     return value
+
+
+def vision_warmup_sizes() -> list[tuple[int, int]] | None:
+    """VLLM_HPU_VISION_WARMUP validated: (height, width) pairs in pixels, or None when unset."""
+    raw = (get_raw(VLLM_HPU_VISION_WARMUP) or "").strip()
+    if not raw:
+        return None
+    sizes = []
+    for item in raw.split(","):
+        height, sep, width = item.strip().lower().partition("x")
+        if not (sep and height.isdigit() and width.isdigit() and int(height) and int(width)):
+            raise EnvError(
+                f"{VLLM_HPU_VISION_WARMUP}={raw!r}: {item.strip()!r} is not an image size; write "
+                "'HEIGHTxWIDTH' in pixels, comma-separated (e.g. '448x448,720x1280'), or unset it "
+                "to warm the largest image the processor makes."
+            )
+        sizes.append((int(height), int(width)))
+    return sizes
 
 
 def non_default(environ: Mapping[str, str] | None = None) -> dict[str, str]:

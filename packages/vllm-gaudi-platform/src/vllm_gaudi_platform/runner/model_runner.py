@@ -12,6 +12,7 @@ agreement and the HPU graph replay. Beside it in `runner/`:
 - `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
 - `streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
 - `mixed_steps.py`: a mixed prefill + decode step run as two forward passes;
+- `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
 - `hpu_graphs.py`, `data_parallel.py`, `spec_decode.py`, `lora.py`: the per-step helpers.
 """
 
@@ -44,6 +45,7 @@ from vllm_gaudi_platform.runner import (
     hpu_graphs,
     mixed_steps,
     spec_decode,
+    vision,
     warmup,
 )
 from vllm_gaudi_platform.runner import lora as hpu_lora
@@ -244,6 +246,7 @@ class HPUModelRunner(GPUModelRunner):
                 self._setup_eagle3_aux_hidden_state_outputs()
             self.draft_bucketing = spec_decode.draft_bucketing(self)
         self.linears_on_seam = self._route_linears_through_seam()
+        vision.track_encoder(self)  # vision-encoder shapes counted like the buckets'
         # torch.compile (eager mode, PT_HPU_LAZY_MODE=0): the forward pass compiled per bucket.
         self.compiled_model: compiled.CompiledModel | None = None
         # Diagnostics (the worker's set_compiled_forward): False runs the passes op by op.
@@ -264,6 +267,10 @@ class HPUModelRunner(GPUModelRunner):
             getattr(getattr(layer, "impl", None), "sliding_window", None) is not None
             for layer in layers
         )
+
+    def _execute_mm_encoder(self, *args: Any, **kwargs: Any) -> Any:
+        with vision.one_item_per_pass():  # an image's encoder shapes depend on its size only
+            return super()._execute_mm_encoder(*args, **kwargs)
 
     def _route_linears_through_seam(self) -> int:
         """Send the unquantized linear layers' matmul (vLLM's UnquantizedLinearMethod, which
@@ -449,11 +456,7 @@ class HPUModelRunner(GPUModelRunner):
             layout = step_layout.current()
             if layout is not None and layout.parts is not None:
                 assert positions is not None
-                inputs = {
-                    "input_ids": input_ids,
-                    "positions": positions,
-                    "inputs_embeds": inputs_embeds,
-                }
+                inputs = dict(input_ids=input_ids, positions=positions, inputs_embeds=inputs_embeds)
                 split = mixed_steps.forward_in_parts(self, layout, inputs, self._run_model)
                 if split is not None:
                     return split

@@ -6,6 +6,8 @@ drafting pass); with VLLM_FULL_WARMUP=true an unwarmed shape raises `RecompileEr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.logger import init_logger
 
 from vllm_gaudi_platform import envs
@@ -30,6 +32,9 @@ class RecompileTracker:
         self.count = 0
         self.seen: list[Bucket] = []
         self.hits: dict[str, int] = {}
+        # Vision-encoder passes (runner/vision.py): the shapes warmed, those met after warmup.
+        self.warmed_encoder: set[tuple] = set()
+        self.encoder_seen: list[str] = []
 
     def record(self, layout: step_layout.StepLayout) -> None:
         if not self.warmup_done:
@@ -55,3 +60,28 @@ class RecompileTracker:
                     "unset VLLM_FULL_WARMUP."
                 )
             self.warmed.add(bucket)  # compiled once now; later runs reuse it
+
+    def record_encoder(self, signature: tuple, describe: Callable[[], str]) -> None:
+        """One vision-encoder pass on `signature` (runner/vision.py); `describe` names its
+        shapes for the log."""
+        if signature in self.warmed_encoder:
+            return
+        self.warmed_encoder.add(signature)  # compiled once now; later passes reuse it
+        if not self.warmup_done:
+            return
+        self.count += 1
+        shapes = describe()
+        self.encoder_seen.append(shapes)
+        logger.warning(
+            "Recompile #%d: a vision-encoder pass on %s was not warmed up (add its image size "
+            "to %s)",
+            self.count,
+            shapes,
+            envs.VLLM_HPU_VISION_WARMUP,
+        )
+        if self.strict:
+            raise RecompileError(
+                f"a vision-encoder pass on {shapes} was not warmed up and "
+                f"{envs.VLLM_FULL_WARMUP}=true forbids recompiles after warmup; add the image "
+                f"size to {envs.VLLM_HPU_VISION_WARMUP} or unset {envs.VLLM_FULL_WARMUP}."
+            )

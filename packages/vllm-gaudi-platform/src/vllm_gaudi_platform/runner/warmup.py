@@ -23,6 +23,7 @@ from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket
 from vllm_gaudi_platform.runner import lora as hpu_lora
+from vllm_gaudi_platform.runner import vision
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -106,6 +107,7 @@ def warmup_model(runner: Any) -> None:
         progress = tqdm(runs, desc="HPU warmup", unit="bucket", leave=False)
     except ImportError:  # tqdm comes with vLLM; keep working without it
         progress = runs
+    vision.warm(runner)  # a multimodal model's encoder, per image size to warm
     # With LoRA on, every bucket runs with max_loras dummy adapters loaded (removed after).
     with runner.maybe_setup_dummy_loras(runner.lora_config):
         for bucket, packed in progress:
