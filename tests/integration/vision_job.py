@@ -59,9 +59,15 @@ def run(job: dict) -> dict:
         from vllm_gaudi_ops import stats
 
         result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
+        result["seam"] = llm.collective_rpc(_seam_name)[0]
         result["op_counts"] = dict(stats.COUNTS)
         result["platform"] = type(__import__("vllm.platforms").platforms.current_platform).__name__
     return result
+
+
+def _seam_name(worker) -> str:
+    """Which backend the worker's seam is: "gaudi" (gaudi.py) or "emulated on cpu"."""
+    return worker.model_runner.seam.NAME
 
 
 if __name__ == "__main__":
