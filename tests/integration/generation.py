@@ -137,6 +137,28 @@ def run_engine(
     return proc, job_output(proc)
 
 
+def greedy_generate(hf: Any, max_tokens: int, **inputs: Any) -> dict:
+    """transformers' greedy continuation of one prompt (`inputs`: input_ids and whatever else
+    the model takes), never stopping at EOS: the tokens and each step's top-5 logprobs."""
+    import torch
+
+    out = hf.generate(
+        **inputs,
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = []
+    for score in out.scores:
+        top = torch.topk(torch.log_softmax(score[0].float(), dim=-1), 5)
+        logprobs.append({str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())})
+    return {"tokens": tokens, "logprobs": logprobs}
+
+
 def hf_greedy(
     model: str,
     prompts: list[list[int]],
@@ -157,24 +179,7 @@ def hf_greedy(
     results = []
     with torch.no_grad():
         for prompt in prompts:
-            out = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            logprobs = []
-            for score in out.scores:
-                lp = torch.log_softmax(score[0].float(), dim=-1)
-                top = torch.topk(lp, 5)
-                logprobs.append(
-                    {str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
-                )
-            results.append({"tokens": tokens, "logprobs": logprobs})
+            results.append(greedy_generate(hf, max_tokens, input_ids=torch.tensor([prompt])))
     return results
 
 

@@ -14,6 +14,7 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+from tests.integration.generation import greedy_generate
 from vllm_gaudi_platform.testing import tinymodels, tinyvision
 
 MAX_TOKENS = 12
@@ -83,23 +84,7 @@ def hf_greedy(model: str, names: list[str]) -> dict[str, dict]:
             inputs = processor(
                 text=[prompt_text(processor, case)], images=case.images(), return_tensors="pt"
             )
-            out = hf.generate(
-                **inputs,
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_scores=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-            tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-            logprobs = []
-            for score in out.scores:
-                top = torch.topk(torch.log_softmax(score[0].float(), dim=-1), 5)
-                logprobs.append(
-                    {str(i): v for i, v in zip(top.indices.tolist(), top.values.tolist())}
-                )
-            results[name] = {"tokens": tokens, "logprobs": logprobs}
+            results[name] = greedy_generate(hf, MAX_TOKENS, **inputs)
     return results
 
 

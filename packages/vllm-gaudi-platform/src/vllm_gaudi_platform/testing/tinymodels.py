@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
-_BASE = {
+BASE_CONFIG = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -258,7 +258,7 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
         cls_name, config_kwargs = ENCODERS[name]
     elif name in MODELS:
         cls_name, overrides = MODELS[name]
-        config_kwargs = {**_BASE, **overrides}
+        config_kwargs = {**BASE_CONFIG, **overrides}
     else:
         known = sorted([*MODELS, *ENCODERS])
         raise ValueError(f"Unknown tiny model {name!r}; choose one of {known}.")

@@ -32,20 +32,8 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
-_TEXT = {
-    "vocab_size": tinymodels.VOCAB_SIZE,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "initializer_range": 0.25,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+# The language model: tinymodels' text config (its dtype is the checkpoint's, set at save).
+_TEXT = {k: v for k, v in tinymodels.BASE_CONFIG.items() if k != "torch_dtype"}
 
 QWEN_SPECIAL = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
