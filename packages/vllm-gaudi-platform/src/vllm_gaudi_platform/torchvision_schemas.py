@@ -13,8 +13,9 @@ ships) puts a one-shot import hook in front of torchvision. On the first lookup 
 the hook tries to load torchvision's library itself. When that works (Intel's Gaudi image, or
 the CPU build `torchvision==X+cpu` from PyTorch's CPU index) it changes nothing. When it fails,
 the hook defines the two operator schemas, without kernels, so the import succeeds; torchvision's
-compiled ops (nms, roi_align, deform_conv2d, ...) stay unavailable and raise when called, and a
-warning says so. Nothing here imports torch or torchvision before something asks for torchvision.
+compiled ops (nms, roi_align, deform_conv2d, ...) stay unavailable and raise when called (a DEBUG
+log line and `vllm-gaudi doctor` say so). Nothing here imports torch or torchvision before
+something asks for torchvision.
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def prepare() -> str | None:
         for schema in missing.values():
             _library.define(schema)
     state["outcome"] = error
-    _logger.info(
+    # DEBUG: every process imports torchvision, on any platform, and our plugins stay quiet
+    # where the HPU platform is not the platform (doctor reports this instead).
+    _logger.debug(
         "torchvision's compiled ops do not load with this torch (%s); its Python parts (image "
         "and video transforms, the processors of vision-language models) work, its compiled ops "
         "(nms, roi_align, ...) raise. Install the torchvision build made for this torch (for a "
