@@ -70,8 +70,10 @@ def prompt_text(processor: Any, case: Case) -> str:
     )
 
 
-def hf_greedy(model: str, names: list[str]) -> dict[str, dict]:
-    """transformers' greedy continuation (tokens, top-5 logprobs) of each case, one at a time."""
+def hf_greedy(model: str, names: list[str], *, causal: bool = False) -> dict[str, dict]:
+    """transformers' greedy continuation (tokens, top-5 logprobs) of each case, one at a time.
+    `causal`: without the processor's `token_type_ids`, by which Gemma 3 attends within each
+    image both ways (its language model is then causal throughout)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -84,6 +86,8 @@ def hf_greedy(model: str, names: list[str]) -> dict[str, dict]:
             inputs = processor(
                 text=[prompt_text(processor, case)], images=case.images(), return_tensors="pt"
             )
+            if causal:
+                inputs.pop("token_type_ids", None)
             results[name] = greedy_generate(hf, MAX_TOKENS, **inputs)
     return results
 

@@ -39,9 +39,11 @@ def _impl(window=None, softcap=None, sinks=None, alibi=None):
     )
 
 
-def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alibi=None):
+def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alibi=None, spans=()):
     """Causal attention of q (new tokens at positions ctx..) over k_all/v_all (positions 0..), in
-    float64: keys at least `window` positions behind a query are masked; with `softcap`, scores
+    float64: keys at least `window` positions behind a query are masked; a query and a key both
+    in one of `spans` (inclusive position ranges: an image's tokens) see each other whatever
+    their order (vLLM's mm prefix rule: (causal and window) or same span); with `softcap`, scores
     become softcap * tanh(scores / softcap) before the softmax; with `alibi` (a slope per head),
     scores gain slope * (key position - query position); with `sinks` (a logit per head), the
     softmax runs over the scores and the head's sink, whose probability is dropped."""
@@ -57,6 +59,8 @@ def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alib
     mask = kpos <= qpos
     if window is not None:
         mask &= qpos - kpos < window
+    for first, last in spans:
+        mask |= (qpos >= first) & (qpos <= last) & (kpos >= first) & (kpos <= last)
     if alibi is not None:
         scores = scores + torch.tensor(alibi, dtype=torch.float64)[:, None, None] * (kpos - qpos)
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -80,12 +84,14 @@ def _run(
     alibi=None,
     split=False,
     layers=1,
+    image_spans=None,
 ):
     """Run one step through the backend; return its outputs and the reference per request.
     With `split`, a mixed step runs as the runner runs it: a decode pass, then a prefill pass,
     each over its own tokens with its part's metadata. With `layers`, that many layers of the
     same kind run the (unsplit) step one after another on its one metadata, as a model's
-    layers do; the last layer's output is returned."""
+    layers do; the last layer's output is returned. `image_spans` (request -> inclusive position
+    ranges) makes the step an mm prefix LM's, as vLLM passes them."""
     from vllm_gaudi_platform.attention.metadata import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -137,6 +143,7 @@ def _run(
         slot_mapping=slot_mapping,
         block_size=BLOCK,
         device=torch.device("cpu"),
+        image_spans=image_spans,
     )
     out = torch.zeros(total, HEADS * DIM, dtype=dtype)
     kv_cache = kv_cache.to(dtype)
@@ -158,7 +165,15 @@ def _run(
             layer.forward(None, q.to(dtype), k.to(dtype), v.to(dtype), kv_cache, md, out)
     refs = [
         _reference(
-            queries[i], full_k[i], full_v[i], ctx_lens[i], window, softcap, sinks, alibi
+            queries[i],
+            full_k[i],
+            full_v[i],
+            ctx_lens[i],
+            window,
+            softcap,
+            sinks,
+            alibi,
+            spans=(image_spans or {}).get(i, ()),
         ).reshape(query_lens[i], -1)
         for i in range(n)
     ]

@@ -160,6 +160,7 @@ class _IdleRank:
         self.block_size = BLOCK
         self.device = torch.device("cpu")
         self.idle_dp_steps = 0
+        self.is_mm_prefix_lm = False
         self.forwards: list[tuple[int, int]] = []
 
     def _agree_across_dp(self, layout):

@@ -113,6 +113,16 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(f"{RUNNER}._sync_device", "HPUModelRunner synchronizes through the seam"),
     Upstream(
+        f"{RUNNER}.__init__",
+        "warmup and idle DP steps give an mm prefix LM's metadata its image-span branch",
+        mentions=("self.is_mm_prefix_lm",),
+    ),
+    Upstream(
+        f"{RUNNER}._build_attention_metadata",
+        "HPUAttentionMetadataBuilder reads each request's image spans (Gemma 3)",
+        mentions=("mm_req_doc_ranges", "extract_embeds_range"),
+    ),
+    Upstream(
         f"{RUNNER}._execute_mm_encoder",
         "runner/vision.py encodes one item per pass: the batching it looks up in its module",
         mentions=("group_and_batch_mm_kwargs", "embed_multimodal"),

@@ -349,6 +349,7 @@ class HpuPlatform(Platform):
 
             ray_cluster.prepare(parallel_config, emulated=bool(_seam.IS_EMULATED))
         _check_bucketing(vllm_config)
+        _whole_images_for_mm_prefix(vllm_config)
 
         model_config = vllm_config.model_config
         if model_config is not None and _float16_runs_in_bfloat16(model_config):
@@ -449,6 +450,26 @@ def _float16_runs_in_bfloat16(model_config: ModelConfig) -> bool:
     text_config = model_config.hf_text_config
     checkpoint = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
     return model_config.dtype == torch.bfloat16 and checkpoint in (torch.float16, "float16")
+
+
+def _whole_images_for_mm_prefix(vllm_config: VllmConfig) -> None:
+    """Models whose images attend among their own tokens both ways (Gemma 3: vLLM's "mm prefix
+    LMs") need each image's tokens in one prefill chunk: every one of them sees the last. The
+    scheduler then never splits an image (`disable_chunked_mm_input`), as vLLM's CUDA platform
+    sets too."""
+    model_config, scheduler_config = vllm_config.model_config, vllm_config.scheduler_config
+    if (
+        model_config is not None
+        and model_config.is_mm_prefix_lm
+        and scheduler_config.is_multimodal_model
+        and not scheduler_config.disable_chunked_mm_input
+    ):
+        logger.info(
+            "%s attends within each image both ways: an image's tokens are prefilled in one "
+            "chunk (disable_chunked_mm_input).",
+            model_config.model,
+        )
+        scheduler_config.disable_chunked_mm_input = True
 
 
 def _check_async_scheduling(vllm_config: VllmConfig) -> None:

@@ -86,3 +86,9 @@ class HPUAttentionBackend(AttentionBackend):
     def supports_sink(cls) -> bool:
         # gpt-oss style learned per-head sink logits, in prefill and decode.
         return True
+
+    @classmethod
+    def supports_mm_prefix(cls) -> bool:
+        # Gemma 3 style: bidirectional attention among an image's tokens in prefill
+        # (HPUAttentionMetadata.prefill_q_reach).
+        return True

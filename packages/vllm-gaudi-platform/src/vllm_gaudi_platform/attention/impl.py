@@ -325,12 +325,12 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
         out = torch.empty_like(q)
         # Slices of the query bucket (counts and sizes fixed by the bucket): a slice's mask and
         # scores are [rows, heads, slice, keys]. New-token keys after a slice's last column are in
-        # every query's future, so each slice reads keys up to its own end only.
+        # every query's future, so each slice reads keys up to its own end only, or to the
+        # bucket's end where image spans see ahead: as many keys as its mask has columns.
         # Masks are built by the step's first layer and shared by the others (metadata.derived).
         step = self.query_slice
         for q0 in range(0, qb, step):
             q1 = min(q0 + step, qb)
-            keys = n_ctx + q1
             if slopes is None:
                 mask = md.prefill_slice_mask(q0, q1, window, block_size)
             else:
@@ -343,6 +343,7 @@ class HPUAttentionImpl(AttentionImpl[HPUAttentionMetadata]):
                     window,
                     block_size,
                 )
+            keys = mask.shape[-1]
             qs, ks, vs = q[:, :, q0:q1], k[:, :, :keys], v[:, :, :keys]
             if cap is None:
                 out[:, :, q0:q1] = self.seam.fused_sdpa(

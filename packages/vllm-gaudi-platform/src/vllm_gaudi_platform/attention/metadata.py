@@ -58,6 +58,11 @@ class HPUAttentionMetadata:
     # for unused slots). A window w reaches into the block iff this is below w.
     prefill_ctx_lag: torch.Tensor | None = None  # [rows, ctx_bucket]
     prefill_valid_lens: torch.Tensor | None = None  # [rows] new tokens per row (>= 1)
+    # Models vLLM calls "mm prefix LMs" (Gemma 3 with images): the last position each query cell
+    # attends, its own or the end of the image span that holds it (bidirectional attention among
+    # an image's tokens). None for every other model; set on every prefill step of such a model
+    # (its own positions on text), so a graph's branch does not depend on the step's content.
+    prefill_q_reach: torch.Tensor | None = None  # [rows, q_bucket]
     # Some row holds more than one sequence: the causal fast path and window narrowing are off.
     prefill_packed: bool = False
     # decode part (None when the step has none)
@@ -100,9 +105,14 @@ class HPUAttentionMetadata:
 
     def prefill_causal_only(self) -> bool:
         """True when plain causal attention over each row's own new tokens is the whole mask:
-        one sequence per row and no context in the bucket."""
+        one sequence per row, no context in the bucket and no image spans to see ahead in."""
         p = self.layout.prefill
-        return p is not None and p.ctx_bucket == 0 and not self.prefill_packed
+        return (
+            p is not None
+            and p.ctx_bucket == 0
+            and not self.prefill_packed
+            and self.prefill_q_reach is None
+        )
 
     def prefill_keys_for(
         self, window: int | None, block_size: int
@@ -145,9 +155,11 @@ class HPUAttentionMetadata:
         self, q0: int, q1: int, window: int | None, block_size: int
     ) -> torch.Tensor:
         """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the key columns
-        of `prefill_keys_for(window)` up to the slice's last new token: same owner, not in the
-        future, and (with a window) fewer than `window` positions behind. Built once per step
-        for each slice and window."""
+        of `prefill_keys_for(window)` up to the slice's last new token (up to the last new token
+        of the bucket with image spans, `prefill_q_reach`): same owner, not in the future (not
+        past the query's reach), and (with a window) fewer than `window` positions behind. Built
+        once per step for each slice and window; the attention reads as many keys as the mask
+        has columns."""
         return self.derived(
             ("prefill_mask", window, q0, q1), self._build_slice_mask, q0, q1, window, block_size
         )
@@ -157,11 +169,15 @@ class HPUAttentionMetadata:
     ) -> torch.Tensor:
         assert self.prefill_q_seq is not None and self.prefill_q_pos is not None
         blocks, k_seq, k_pos = self.prefill_keys_for(window, block_size)
-        keys = blocks.shape[1] * block_size + q1
+        reach = self.prefill_q_reach
+        # New-token keys past the slice's last cell are in the future of every query of the
+        # slice, unless an image span reaches there.
+        keys = blocks.shape[1] * block_size + q1 if reach is None else k_seq.shape[1]
         q_seq = self.prefill_q_seq[:, q0:q1, None]
         q_pos = self.prefill_q_pos[:, q0:q1, None]
+        last = q_pos if reach is None else reach[:, q0:q1, None]
         k_pos = k_pos[:, None, :keys]
-        mask = (q_seq == k_seq[:, None, :keys]) & (k_pos <= q_pos)
+        mask = (q_seq == k_seq[:, None, :keys]) & (k_pos <= last)
         if window is not None:
             mask &= q_pos - k_pos < window
         return mask[:, None]
@@ -234,6 +250,10 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # Gemma 3 style: bidirectional attention within each image's tokens (vLLM passes the
+        # spans as `mm_req_doc_ranges`; the platform keeps an image in one prefill chunk).
+        model_config = vllm_config.model_config
+        self.mm_prefix = bool(model_config is not None and model_config.is_mm_prefix_lm)
 
     def build(
         self,
@@ -262,6 +282,7 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
             slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
             block_size=self.block_size,
             device=self.device,
+            image_spans=(cm.mm_req_doc_ranges or {}) if self.mm_prefix else None,
         )
 
 
@@ -282,8 +303,12 @@ def build_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     device: torch.device,
+    image_spans: dict[int, list[tuple[int, int]]] | None = None,
 ) -> HPUAttentionMetadata:
     """Turn a planned step layout into the index tensors the attention kernels consume.
+
+    `image_spans` (mm prefix LMs only, else None): request index -> inclusive (first, last)
+    positions of its images' tokens, which attend each other both ways.
 
     All index arithmetic is vectorized in numpy (one pass per part, no per-sequence tensor ops):
     it runs every step, on the host, before the forward pass.
@@ -368,6 +393,9 @@ def build_metadata(
         md.prefill_k_pos = torch.from_numpy(k_pos).to(device)
         md.prefill_ctx_lag = torch.from_numpy(lag).to(device)
         md.prefill_valid_lens = torch.from_numpy(valid).to(device)
+        if image_spans is not None:
+            reach = _query_reach(q_pos, image_spans, members, row_of, col, c, q)
+            md.prefill_q_reach = torch.from_numpy(reach).to(device)
 
     decode = layout.decode
     if decode is not None:
@@ -427,10 +455,34 @@ def build_metadata(
                     slot_mapping=slot_mapping[list(tokens)],
                     block_size=block_size,
                     device=device,
+                    image_spans=None
+                    if image_spans is None
+                    else {i: image_spans[r] for i, r in enumerate(requests) if r in image_spans},
                 )
             )
         md.parts = (parts[0], parts[1])
     return md
+
+
+def _query_reach(
+    q_pos: np.ndarray,
+    image_spans: dict[int, list[tuple[int, int]]],
+    members: np.ndarray,
+    row_of: np.ndarray,
+    col: np.ndarray,
+    ctx: np.ndarray,
+    new: np.ndarray,
+) -> np.ndarray:
+    """Last position each prefill query cell attends: its own, or the last of the image span
+    holding it. A member's new tokens sit at columns col.. of its row, positions ctx..ctx+new."""
+    reach = q_pos.copy()
+    for m, request in enumerate(members.tolist()):
+        for first, last in image_spans.get(request, ()):
+            lo, hi = max(first, int(ctx[m])), min(last, int(ctx[m] + new[m]) - 1)
+            if lo <= hi:
+                start = int(col[m]) + lo - int(ctx[m])
+                reach[row_of[m], start : start + hi - lo + 1] = last
+    return reach
 
 
 def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:

@@ -286,11 +286,11 @@ class HPUMLAImpl(MLAAttentionImpl[HPUAttentionMetadata]):
             keys = torch.cat([ctx.to(keys.dtype), keys], dim=1)
         out = q.new_empty(rows, self.num_heads, qb, self.kv_lora_rank)
         # New-token keys after a slice's last query are in every query's future: each slice
-        # reads keys up to its own end only.
+        # reads keys up to its own end only (as many as its mask has columns).
         for q0 in range(0, qb, self.query_slice):
             q1 = min(q0 + self.query_slice, qb)
-            end = n_ctx + q1
             mask = md.prefill_slice_mask(q0, q1, None, block_size)
+            end = mask.shape[-1]
             out[:, :, q0:q1] = self.seam.mla_prefill(
                 q[:, :, q0:q1], keys[:, :end], mask, self.scale, self.kv_lora_rank
             )

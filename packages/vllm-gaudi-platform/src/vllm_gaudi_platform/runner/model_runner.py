@@ -436,6 +436,7 @@ class HPUModelRunner(GPUModelRunner):
             slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
             block_size=self.block_size,
             device=self.device,
+            image_spans={} if self.is_mm_prefix_lm else None,
         )
         self._forward_with_metadata(metadata, total, 0, capture=False)
         self.idle_dp_steps += 1

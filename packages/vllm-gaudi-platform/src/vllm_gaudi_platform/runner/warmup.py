@@ -159,6 +159,8 @@ def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = F
         slot_mapping=slot_mapping,
         block_size=block_size,
         device=runner.device,
+        # An mm prefix LM's graphs take the image-span branch on every prefill step.
+        image_spans={} if runner.is_mm_prefix_lm else None,
     )
     runner._forward_with_metadata(metadata, total, n)
     if runner.draft_bucketing is not None:

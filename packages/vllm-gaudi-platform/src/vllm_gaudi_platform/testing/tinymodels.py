@@ -228,9 +228,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
 
 
-def _build_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> Any:
+def _build_tokenizer(
+    path: Path, extra_special: tuple[str, ...] = (), named: dict[str, str] | None = None
+) -> Any:
     """Train the byte-level BPE tokenizer on CORPUS and save it to `path`; returns it.
-    `extra_special` tokens (a vision model's placeholders) take the ids after <pad>, <s>, </s>."""
+    `extra_special` tokens (a vision model's placeholders) take the ids after <pad>, <s>, </s>;
+    `named` makes some of them tokenizer attributes (Gemma 3's processor reads
+    `tokenizer.boi_token`, for one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -245,7 +249,11 @@ def _build_tokenizer(path: Path, extra_special: tuple[str, ...] = ()) -> Any:
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens=named or {},
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)

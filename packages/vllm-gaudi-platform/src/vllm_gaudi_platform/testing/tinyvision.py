@@ -88,6 +88,36 @@ MODELS["llava"] = {
 }
 
 
+GEMMA3_SPECIAL = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+
+# Gemma 3 with its vision tower: SigLIP (2 layers, 56x56 pixels in 14-pixel patches, so a 4x4
+# grid), average-pooled to 16 soft tokens per image between <start_of_image> and <end_of_image>,
+# then tinymodels' Gemma 3 text model (two sliding layers, one global). Every image is resized to
+# 56x56 (no pan-and-scan). vLLM serves it as an "mm prefix LM": the language model's attention is
+# bidirectional among the soft tokens of one image (transformers: `token_type_ids`), which the
+# window of 64 keeps in reach on the sliding layers. Its projection weight starts at zero in
+# transformers; it is drawn here (std 1), so the pictures move the output.
+MODELS["gemma3"] = {
+    "text": {**_TEXT, **tinymodels.MODELS["gemma3"][1], "sliding_window": 64},
+    "vision": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 56,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+    "tokens_per_image": 16,
+    "projection_std": 1.0,
+    "newline_tokens": 4,
+}
+
+
 def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) -> Path:
     """Path of the tiny vision-language model `name`, building and caching it on first use."""
     if name not in MODELS:
@@ -100,7 +130,8 @@ def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) 
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    builder = _build_llava if name == "llava" else _build_qwen2_5_vl
+    builders = {"qwen2.5-vl": _build_qwen2_5_vl, "llava": _build_llava, "gemma3": _build_gemma3}
+    builder = builders[name]
     builder(tmp, spec, seed)
     with contextlib.suppress(OSError):  # another process built it first
         tmp.rename(path)
@@ -159,17 +190,7 @@ def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
     torch.manual_seed(seed)
     model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
-    # The hub's Llava checkpoints name the tower's weights `vision_tower.vision_model.*` (a
-    # CLIPVisionModel), which is what vLLM's loader maps; transformers 5 saves them one level
-    # up. Rewritten to the hub's names, which transformers reads back as well.
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(path / "model.safetensors")
-    renamed = {
-        name.replace("vision_tower.", "vision_tower.vision_model.", 1): tensor
-        for name, tensor in weights.items()
-    }
-    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    _hub_tower_names(path)
     template = _CHAT_TEMPLATE.replace("{image}", "<image>")
     tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
@@ -183,6 +204,64 @@ def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
         num_additional_image_tokens=1,  # CLIP's CLS token, which "default" drops
         chat_template=template,
         image_token="<image>",
+    )
+    processor.save_pretrained(path)
+
+
+def _hub_tower_names(path: Path) -> None:
+    """The hub's Llava and Gemma 3 checkpoints name the tower's weights
+    `vision_tower.vision_model.*` (a CLIP or SigLIP vision model), which is what vLLM's loaders
+    map; transformers 5 saves them one level up. Rewritten to the hub's names, which transformers
+    reads back as well."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    renamed = {
+        name.replace("vision_tower.", "vision_tower.vision_model.", 1): tensor
+        for name, tensor in weights.items()
+    }
+    save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _build_gemma3(path: Path, spec: dict[str, Any], seed: int) -> None:
+    import torch
+    import transformers
+
+    # vLLM's Gemma 3 processing merges the newlines around an image the way Gemma's own
+    # vocabulary does: runs of one to four newlines are single tokens there, and here.
+    newlines = tuple("\n" * n for n in range(1, spec["newline_tokens"] + 1))
+    tokenizer = tinymodels._build_tokenizer(
+        path, (*GEMMA3_SPECIAL.values(), *newlines), named=GEMMA3_SPECIAL
+    )
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in GEMMA3_SPECIAL.items()}
+    config = transformers.Gemma3Config(
+        text_config=spec["text"],
+        vision_config=spec["vision"],
+        mm_tokens_per_image=spec["tokens_per_image"],
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        initializer_range=_TEXT["initializer_range"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(
+            0.0, spec["projection_std"]
+        )
+    model.save_pretrained(path, safe_serialization=True)
+    _hub_tower_names(path)
+    # The processor expands each <start_of_image> into the image's soft tokens.
+    template = _CHAT_TEMPLATE.replace("{image}", GEMMA3_SPECIAL["boi_token"])
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    side = spec["vision"]["image_size"]
+    processor = transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessor(size={"height": side, "width": side}),
+        tokenizer=tokenizer,
+        chat_template=template,
+        image_seq_length=spec["tokens_per_image"],
     )
     processor.save_pretrained(path)
 
