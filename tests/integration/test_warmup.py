@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.generation import run_engine
+from tests.integration.generation import assert_close, hf_greedy, run_engine
 from vllm_gaudi_platform.observability.step_trace import TracedShape, read_trace
 from vllm_gaudi_platform.testing import tinymodels
 
@@ -67,6 +67,26 @@ def test_runner_records_every_serving_step_shape_to_the_trace_file(narrow_run, t
         TracedShape("prompt", 1, 200, 0): 1,
         TracedShape("decode", 1, 1, 2): 3,
     }
+
+
+def test_a_packed_prefill_longer_than_max_model_len_runs_a_warmed_bucket(model):
+    """A token budget above max_model_len: five 100-token prompts are admitted in one step and
+    packed into one prefill row of 500 new tokens, more than one sequence can hold. Warmup
+    covers such rows (single-row query buckets up to the budget, warmed as packed rows only), so
+    even under VLLM_FULL_WARMUP=true the step runs, on a captured graph, and generates what
+    transformers does."""
+    prompts = [[(11 * i + 5 * p) % 500 + 3 for i in range(100)] for p in range(5)]
+    engine = {"max_model_len": 128, "max_num_batched_tokens": 512}
+    env = {"VLLM_FULL_WARMUP": "true"}
+    proc, result = run_engine(model, prompts, emulate=True, max_tokens=8, env=env, engine=engine)
+    assert result is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stats = result["stats"]
+    assert stats["recompiles"] == 0 and stats["unwarmed_buckets"] == [], stats
+    assert stats["eager_steps"] == 0 and stats["graph_replays"] > 0, stats
+    assert "query_len [128, 256, 512]" in stats["bucket_plan"], stats["bucket_plan"]
+    assert stats["step_metrics"]["prompt_tokens_real"] == 500, stats["step_metrics"]
+    ref = hf_greedy(model, prompts, max_tokens=8)
+    assert assert_close(result["rounds"][0], ref, "packed prefill") == 0
 
 
 def test_full_warmup_turns_a_recompile_into_an_error(model):

@@ -287,6 +287,37 @@ def test_packed_context_buckets_extend_single_row_context_fourfold():
     assert extended.decode == plan.decode
 
 
+def test_packed_rows_get_query_buckets_up_to_the_token_budget():
+    # Budget 512 over a plan whose single-row queries stop at max_model_len (128): a row packed
+    # with several prompts can hold up to 512 new tokens; those buckets only packed rows fill.
+    plan = _plan(prompt=[(1, 64, 0), (1, 128, 2)])
+    extended = step_layout.with_packed_context(plan, packed_query_max=512)
+    longer = {b for b in extended.prompt if b.query_len > 128}
+    assert longer == {Bucket("prompt", 1, q, c) for q in (256, 512) for c in (0, 2, 4, 8)}
+    assert all(step_layout.packed_only(b, 128) for b in longer)
+    assert not any(step_layout.packed_only(b, 128) for b in plan.prompt)
+    # Four prompts of 100 new tokens: one packed row, which now finds a warmed bucket.
+    layout = step_layout.plan_step(
+        query_lens=[100] * 4, seq_lens=[100] * 4, block_size=BLOCK, plan=extended
+    )
+    assert layout.warmed and layout.prefill.bucket == Bucket("prompt", 1, 512, 0)
+    unextended = step_layout.with_packed_context(plan)
+    layout = step_layout.plan_step(
+        query_lens=[100] * 4, seq_lens=[100] * 4, block_size=BLOCK, plan=unextended
+    )
+    assert not layout.warmed
+
+
+def test_a_packed_only_buckets_warmup_splits_it_into_schedulable_sequences():
+    bucket = Bucket("prompt", 1, 512, 8)
+    layout, seq_lens = step_layout.layout_for_bucket(bucket, BLOCK, packed=True, max_model_len=128)
+    # 512 new tokens and 8 context blocks of 16 over sequences of at most 128 positions.
+    assert sum(layout.query_lens) == 512 and len(seq_lens) == 5
+    assert sum(s - q for s, q in zip(seq_lens, layout.query_lens)) == 8 * BLOCK
+    assert max(seq_lens) <= 128 + BLOCK
+    assert layout.prefill.row_members == (tuple(range(5)),)
+
+
 def test_bucket_file_plans_are_not_extended():
     plan = BucketPlan(strategy="file", prompt=(Bucket("prompt", 1, 64, 2),), decode=())
     assert step_layout.with_packed_context(plan) is plan

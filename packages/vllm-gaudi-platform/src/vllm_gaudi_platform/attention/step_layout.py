@@ -73,14 +73,20 @@ def _blocks(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -> BucketPlan:
+def with_packed_context(
+    plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR, *, packed_query_max: int = 0
+) -> BucketPlan:
     """Add the single-row prompt buckets that packed prefills need.
 
     A packed row holds the context blocks of all its requests, so its context can exceed one
     sequence's maximum. For every single-row query bucket this adds context buckets doubling from
     the plan's largest up to `factor` times it, so that a step with several chunked or
-    prefix-cached prefills still finds a warmed shape. A plan read from a bucket file is kept
-    exactly as the operator wrote it; a fitted plan already holds its packed-prefill bucket.
+    prefix-cached prefills still finds a warmed shape. Its new tokens can exceed one sequence's
+    maximum too, when the token budget is above max_model_len: query buckets doubling from the
+    plan's largest up to `packed_query_max` (the token budget) are added, at every context of the
+    single-row buckets; only packed rows can fill them (`packed_only`). A plan read from a bucket
+    file is kept exactly as the operator wrote it; a fitted plan already holds its packed-prefill
+    bucket.
     """
     if plan.strategy in ("file", "fitted"):
         return plan
@@ -94,7 +100,21 @@ def with_packed_context(plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR) -
         c *= 2
     queries = sorted({b.query_len for b in singles})
     extra = [Bucket("prompt", 1, q, c) for q in queries for c in extra_ctx]
+    longer, q = [], queries[-1] * 2
+    while q < packed_query_max:
+        longer.append(q)
+        q *= 2
+    if packed_query_max > queries[-1]:
+        longer.append(packed_query_max)
+    contexts = sorted({b.ctx_blocks for b in singles} | set(extra_ctx))
+    extra += [Bucket("prompt", 1, q, c) for q in longer for c in contexts]
     return dataclasses.replace(plan, prompt=(*plan.prompt, *extra))
+
+
+def packed_only(bucket: Bucket, max_model_len: int) -> bool:
+    """A single-row prompt bucket with more new tokens than one sequence can have: only rows
+    packed with several prompts reach it, so warmup runs its packed variant alone."""
+    return can_pack(bucket) and bucket.query_len > max_model_len
 
 
 def plan_prefill(
@@ -211,21 +231,26 @@ def split_mixed(layout: StepLayout) -> StepLayout:
 
 
 def layout_for_bucket(
-    bucket: Bucket, block_size: int, *, packed: bool = False
+    bucket: Bucket, block_size: int, *, packed: bool = False, max_model_len: int = 0
 ) -> tuple[StepLayout, list[int]]:
     """A synthetic step that fills `bucket` exactly (for warmup), and its sequence lengths.
 
     `packed`: a single-row prompt bucket holding two sequences (query and context blocks split
-    between them), the packed-prefill variant whose attention takes another branch.
+    between them), the packed-prefill variant whose attention takes another branch; more than
+    two where one sequence in two would be longer than `max_model_len` (when given), so that
+    every warmup sequence is one the engine could schedule.
     """
     if packed:
         if not can_pack(bucket):
             raise ValueError(f"{bucket} has no packed variant (one row of >= 2 query tokens)")
         q, c = bucket.query_len, bucket.ctx_blocks
-        query_lens = [q - q // 2, q // 2]
-        ctx = [c - c // 2, c // 2]
-        seq_lens = [query_lens[i] + ctx[i] * block_size for i in range(2)]
-        prefill = PrefillPart(1, q, c, ((0, 1),), bucket, True)
+        n = 2
+        if max_model_len:
+            n = min(q, max(2, -(-(q + c * block_size) // max_model_len)))
+        query_lens = [q // n + (i < q % n) for i in range(n)]
+        ctx = [c // n + (i < c % n) for i in range(n)]
+        seq_lens = [query_lens[i] + ctx[i] * block_size for i in range(n)]
+        prefill = PrefillPart(1, q, c, (tuple(range(n)),), bucket, True)
         return StepLayout(tuple(query_lens), prefill, None), seq_lens
     if bucket.phase != "decode":  # prompt and verify buckets are prefill-shaped
         n, q, c = bucket.batch_size, bucket.query_len, bucket.ctx_blocks

@@ -97,6 +97,9 @@ A decode bucket's ``ctx_blocks`` is lowered to ``batch_size * K``, the most that
 can hold. So with the defaults every single-sequence prefill and every decode step within the
 engine limits (and the KV cap above) has a bucket. ``find_prompt``/``find_decode`` return the
 bucket with the fewest padded tokens, then the fewest context blocks, among those that fit.
+The runner adds the buckets of packed prefill rows to a generated plan
+(``step_layout.with_packed_context``): more context per row, and, with a token budget above
+``max_model_len``, longer single-row queries that only packed rows fill.
 
 Bucket file
 -----------

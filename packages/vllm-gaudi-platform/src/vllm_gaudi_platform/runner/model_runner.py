@@ -193,8 +193,7 @@ class HPUModelRunner(GPUModelRunner):
         # The plan's block arithmetic must use the block size and count the KV cache really has.
         # self.kv_cache_config: vLLM's runner adds a group for encoder-only layers there (a
         # BERT-style model has no other group).
-        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.block_size = spec.block_size
+        self.block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         if self.trace_recorder is not None:
             self.trace_recorder.block_size = self.block_size
         sched = self.scheduler_config
@@ -205,7 +204,8 @@ class HPUModelRunner(GPUModelRunner):
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,
                 num_kv_blocks=kv_cache_config.num_blocks,
-            )
+            ),
+            packed_query_max=self.max_num_batched_tokens,
         )
         # Speculative decoding: verification steps (1 + k tokens per sequence) get their buckets.
         self.bucket_plan = spec_decode.with_verify_buckets(

@@ -86,9 +86,17 @@ def warmup_model(runner: Any) -> None:
             runner.compiled_model.warmup_done()
         return
     # Each bucket once, then the packed-prefill variant of the single-row prompt buckets
-    # where packing changes the attention branch (a shape of its own on a Gaudi).
-    runs = [(b, False) for b in (*runner.bucket_plan.prompt, *runner.bucket_plan.decode)]
-    runs += [(b, True) for b in runner.bucket_plan.prompt if runner.graphs.needs_packed_variant(b)]
+    # where packing changes the attention branch (a shape of its own on a Gaudi); buckets only
+    # packed rows reach (more new tokens than max_model_len) in their packed variant alone.
+    plan, longest = runner.bucket_plan, runner.max_model_len
+    runs = [
+        (b, False) for b in (*plan.prompt, *plan.decode) if not step_layout.packed_only(b, longest)
+    ]
+    runs += [
+        (b, True)
+        for b in plan.prompt
+        if runner.graphs.needs_packed_variant(b) or step_layout.packed_only(b, longest)
+    ]
     num_blocks = runner.cache_config.num_gpu_blocks or 0
     total = len(runs)
     logger.info(
@@ -139,7 +147,9 @@ def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = F
     """One warmup run of `bucket` (its packed-prefill variant if `packed`), and of the draft
     head on it when there is one."""
     block_size = runner.block_size
-    layout, seq_lens = step_layout.layout_for_bucket(bucket, block_size, packed=packed)
+    layout, seq_lens = step_layout.layout_for_bucket(
+        bucket, block_size, packed=packed, max_model_len=runner.max_model_len
+    )
     n = len(seq_lens)
     if runner.lora_config:
         runner._set_active_loras(
