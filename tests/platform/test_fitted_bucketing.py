@@ -308,6 +308,19 @@ def test_traced_shapes_beyond_the_engine_limits_are_dropped_with_a_warning(caplo
     assert plan.find_decode(2, 10) == Bucket("decode", 2, 1, 10)
 
 
+def test_packed_rows_longer_than_max_model_len_are_fitted_not_dropped(caplog):
+    # max_model_len 1024 under a 4096-token budget: a row packing several prompts can hold up to
+    # 4096 new tokens. Traced, such rows are kept; untraced, the coverage bucket holds them.
+    limits = {**MEDIUM, "max_model_len": 1024, "num_kv_blocks": None}
+    trace = Counter({TracedShape("prompt", 1, 3000, 0): 5, TracedShape("decode", 4, 1, 20): 5})
+    plan = fit_buckets(trace, **limits, budget=12, max_prefill_batch=1)
+    assert "dropped" not in caplog.text
+    traced = plan.find_prompt(1, 3000, 0)
+    assert traced is not None and traced.query_len < 4096
+    assert step_layout.packed_only(traced, 1024)
+    assert plan.find_prompt(1, 4096, 0) is not None
+
+
 # ------------------------------------------------------------------------------- the recorder
 
 

@@ -261,12 +261,15 @@ def _prepare(trace: Mapping[TracedShape, int], lim: Limits, prefill_bs: int) -> 
     def ctx_limit(batch: int) -> int:
         return packed_c if batch == 1 else c_max  # a single row may be a packed prefill
 
+    def q_limit(batch: int) -> int:
+        # A packed row holds up to the token budget, above max_model_len if the budget is.
+        return tokens if batch == 1 else min(q_max, tokens // batch)
+
     def legal(s: TracedShape) -> bool:
         if s.phase == "prompt":
             return (
                 s.batch_size <= prefill_cap
-                and s.batch_size * s.query_len <= tokens
-                and s.query_len <= q_max
+                and s.query_len <= q_limit(s.batch_size)
                 and s.ctx_blocks <= ctx_limit(s.batch_size)
             )
         return s.batch_size <= min(lim.max_num_seqs, s.ctx_blocks) and s.ctx_blocks <= min(
@@ -293,18 +296,18 @@ def _prepare(trace: Mapping[TracedShape, int], lim: Limits, prefill_bs: int) -> 
     # holds packed prefills.
     decode_bs = min(lim.max_num_seqs, d_max)
     fixed = {
-        Bucket("prompt", 1, q_max, packed_c),
+        Bucket("prompt", 1, tokens, packed_c),
         Bucket("decode", decode_bs, 1, min(d_max, decode_bs * per_seq)),
     }
     fixed.update(
-        Bucket("prompt", b, min(q_max, tokens // b), ctx_limit(b))
+        Bucket("prompt", b, q_limit(b), ctx_limit(b))
         for b in range(1, prefill_cap + 1)
         if tokens // b >= 1
     )
 
     def rounded(s: TracedShape, bits: int) -> Bucket:
         if s.phase == "prompt":  # the batch stays exact: it is small and bounds the query
-            q = min(_round_bits(s.query_len, bits), q_max, tokens // s.batch_size)
+            q = min(_round_bits(s.query_len, bits), q_limit(s.batch_size))
             c = min(_round_bits(s.ctx_blocks, bits), ctx_limit(s.batch_size))
             return Bucket("prompt", s.batch_size, q, c)
         b = min(_round_bits(s.batch_size, bits), decode_bs)
@@ -357,7 +360,7 @@ def _ladder(lim: Limits, prefill_cap: int, packed_c: int, room: int) -> set[Buck
     while ratio <= FIT_CONTEXT_LADDER**2:
         ladder = set()
         for batch in range(1, prefill_cap + 1):
-            query = min(lim.query_max, tokens // batch)
+            query = tokens if batch == 1 else min(lim.query_max, tokens // batch)
             top = packed_c if batch == 1 else lim.prompt_ctx_max
             ctx = 1
             while query >= 1 and ctx < top:
