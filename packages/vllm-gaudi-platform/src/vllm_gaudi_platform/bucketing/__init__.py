@@ -38,12 +38,12 @@ Choosing the buckets
     The buckets fitted to a trace of real step shapes (``VLLM_BUCKETING_TRACE``, a file the
     runner writes under ``VLLM_BUCKETING_RECORD_TRACE``; format in ``step_trace.py``), at most
     ``VLLM_BUCKETING_GRAPH_BUDGET`` graphs (default: as many as ``exp`` warms up; counted by
-    ``graph_count``, packed-prefill variants included). Coverage
-    first: for each prefill batch size up to ``VLLM_PROMPT_BS_BUCKET_MAX`` the largest prompt
-    bucket within the token budget (batch size 1 with ``PACKED_CONTEXT_FACTOR`` times the context
-    and the whole budget as its query, for packed prefills), and the largest decode bucket, so
-    every legal step has a bucket, traced or not. Then, for prefills unlike the traced ones, a
-    context ladder: per prefill batch size its largest query at contexts ``1, R, R**2, ...`` below its largest context
+    ``graph_count``, packed-prefill variants included). Coverage first: for each prefill batch size
+    up to ``VLLM_PROMPT_BS_BUCKET_MAX`` the largest prompt bucket within the token budget (batch
+    size 1 with ``PACKED_CONTEXT_FACTOR`` times the context and the whole budget as its query, for
+    packed prefills), and the largest decode bucket, so every legal step has a bucket, traced or
+    not. Then, for prefills unlike the traced ones, a context ladder: per prefill batch size its
+    largest query at contexts ``1, R, R**2, ...`` below its largest context
     (``R = FIT_CONTEXT_LADDER``, 4; ``R**2``, then no ladder, when it would take more than
     ``1/FIT_LADDER_SHARE`` of the budget left). Then, among candidate buckets (the traced shapes,
     rounded up to ``FIT_BITS`` significant bits per dimension; per batch size the bucket holding
