@@ -138,8 +138,30 @@ def build(name: str = "qwen2.5-vl", *, seed: int = 0, root: Path | None = None) 
     return path
 
 
-def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
+def _save_model(path: Path, model_class: Any, config: Any, seed: int, draw: Any = None) -> Any:
+    """The model built with seeded random weights (`draw(model)` then changes some), in float32,
+    saved to `path`."""
     import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    if draw is not None:
+        with torch.no_grad():
+            draw(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def _save_tokenizer(path: Path, tokenizer: Any, placeholder: str) -> str:
+    """Save the tokenizer with the chat template that writes `placeholder` for an image;
+    returns the template (the processor takes it too)."""
+    template = _CHAT_TEMPLATE.replace("{image}", placeholder)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(path)
+    return template
+
+
+def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
     import transformers
 
     tokenizer = tinymodels._build_tokenizer(path, QWEN_SPECIAL)
@@ -155,12 +177,8 @@ def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
         bos_token_id=1,
         eos_token_id=2,
     )
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
-    template = _CHAT_TEMPLATE.replace("{image}", "<|vision_start|><|image_pad|><|vision_end|>")
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
+    _save_model(path, transformers.Qwen2_5_VLForConditionalGeneration, config, seed)
+    template = _save_tokenizer(path, tokenizer, "<|vision_start|><|image_pad|><|vision_end|>")
     low, high = spec["pixels"]
     processor = transformers.Qwen2_5_VLProcessor(
         image_processor=transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
@@ -172,7 +190,6 @@ def _build_qwen2_5_vl(path: Path, spec: dict[str, Any], seed: int) -> None:
 
 
 def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
-    import torch
     import transformers
 
     tokenizer = tinymodels._build_tokenizer(path, LLAVA_SPECIAL)
@@ -187,13 +204,9 @@ def _build_llava(path: Path, spec: dict[str, Any], seed: int) -> None:
         image_seq_length=(side // patch) ** 2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(path, safe_serialization=True)
+    _save_model(path, transformers.LlavaForConditionalGeneration, config, seed)
     _hub_tower_names(path)
-    template = _CHAT_TEMPLATE.replace("{image}", "<image>")
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
+    template = _save_tokenizer(path, tokenizer, "<image>")
     processor = transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(
             size={"shortest_edge": side}, crop_size={"height": side, "width": side}
@@ -224,7 +237,6 @@ def _hub_tower_names(path: Path) -> None:
 
 
 def _build_gemma3(path: Path, spec: dict[str, Any], seed: int) -> None:
-    import torch
     import transformers
 
     # vLLM's Gemma 3 processing merges the newlines around an image the way Gemma's own
@@ -244,18 +256,18 @@ def _build_gemma3(path: Path, spec: dict[str, Any], seed: int) -> None:
         initializer_range=_TEXT["initializer_range"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(
+    _save_model(
+        path,
+        transformers.Gemma3ForConditionalGeneration,
+        config,
+        seed,
+        lambda model: model.model.multi_modal_projector.mm_input_projection_weight.normal_(
             0.0, spec["projection_std"]
-        )
-    model.save_pretrained(path, safe_serialization=True)
+        ),
+    )
     _hub_tower_names(path)
     # The processor expands each <start_of_image> into the image's soft tokens.
-    template = _CHAT_TEMPLATE.replace("{image}", GEMMA3_SPECIAL["boi_token"])
-    tokenizer.chat_template = template
-    tokenizer.save_pretrained(path)
+    template = _save_tokenizer(path, tokenizer, GEMMA3_SPECIAL["boi_token"])
     side = spec["vision"]["image_size"]
     processor = transformers.Gemma3Processor(
         image_processor=transformers.Gemma3ImageProcessor(size={"height": side, "width": side}),
