@@ -1,7 +1,9 @@
 """KV connectors for vLLM on the HPU platform (see the README).
 
 `register_nixl` is the `hpu_nixl` entry point (group `vllm.general_plugins`): it registers
-`HpuNixlConnector` by name with vLLM's connector factory.
+`HpuNixlConnector` by name with vLLM's connector factory. `register_offload` is `hpu_offload`:
+it registers `HpuCPUOffloadingSpec` (offload.py) with vLLM's offloading-spec factory, for
+`OffloadingConnector` with `"spec_name": "HpuCPUOffloadingSpec"`.
 """
 
 from __future__ import annotations
@@ -25,3 +27,11 @@ def register_nixl() -> None:
     name, module, cls = NIXL_CONNECTOR
     if name not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(name, module, cls)
+
+
+@plugins.general_plugin("hpu_offload")
+def register_offload() -> None:
+    """Register HpuCPUOffloadingSpec with vLLM's OffloadingSpecFactory (kept if present)."""
+    from vllm_gaudi_connectors import offload
+
+    offload.register()

@@ -1,0 +1,148 @@
+"""KV offloading to host memory on the HPU: vLLM's `OffloadingConnector` with a CPU tier whose
+worker copies blocks between the HPU KV cache and host buffers.
+
+vLLM 0.32's CPU spec (`CPUOffloadingSpec`) keeps its scheduler half (the host-chunk manager,
+eviction policy, metrics) platform-free, but its worker refuses any platform other than CUDA and
+XPU and copies with a CUDA kernel on raw pointers. `HpuCPUOffloadingSpec` keeps the former and
+brings its own worker, `HpuOffloadingWorker`, which copies with torch indexing ops: the same code
+on a Gaudi (HPU tensors) and in the emulation (CPU tensors).
+
+How vLLM hands the caches over (`CanonicalKVCaches`): one int8 tensor per layer-compact KV cache,
+[num_blocks, page bytes] (the HPU cache is [blocks, block_size, kv_heads, 2 * head_size] per layer,
+so one page is one block of one layer), and per KV-cache group the (tensor, unpadded page size)
+of each of its layers. The host side is ours: per tensor [chunks, blocks_per_chunk, page] bytes,
+where a chunk is the unit vLLM's manager allocates (`blocks_per_chunk` device blocks, set by the
+`block_size` or `blocks_per_chunk` of the connector's extra config).
+
+A job names device blocks (grouped per KV-cache group, with the logical index of each group's
+first block, which may fall inside a chunk) and host chunks. Copies run when the job is
+submitted and are reported at the next `get_finished`; `wait` has nothing to wait for. That is
+correct (a store reads the cache after the step that wrote it; a load lands before the step that
+reads it) and costs the copy time inside the step; an asynchronous copy stream is a later step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.logger import init_logger
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+logger = init_logger(__name__)
+
+SPEC_NAME = "HpuCPUOffloadingSpec"
+
+
+class HpuOffloadingWorker(OffloadingWorker):
+    """Moves whole block pages between the HPU KV cache and host chunks, one job at a time."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+        self.blocks_per_chunk = blocks_per_chunk
+        self.device = [t.tensor for t in kv_caches.tensors]
+        self.refs = kv_caches.group_data_refs
+        # Host chunks: per canonical tensor, [chunks, blocks_per_chunk, padded page] bytes.
+        self.host = [
+            torch.zeros(num_chunks, blocks_per_chunk, t.page_size_bytes, dtype=torch.int8)
+            for t in kv_caches.tensors
+        ]
+        self._finished: list[TransferResult] = []
+        logger.debug(
+            "HPU KV offload worker: %d host chunks of %d blocks, %.1f MiB host memory",
+            num_chunks,
+            blocks_per_chunk,
+            sum(h.numel() for h in self.host) / 2**20,
+        )
+
+    def _pairs(self, device_spec: GPULoadStoreSpec, chunks: np.ndarray):
+        """Per KV-cache group: its device block ids, and the (chunk, slot) of each in host
+        memory. A group's first block sits at slot `block_indices[g] % blocks_per_chunk` of its
+        first chunk; its blocks fill the chunks in order from there."""
+        bpc = self.blocks_per_chunk
+        ids = device_spec.block_ids
+        offset = chunk_offset = 0
+        for group, (size, first) in enumerate(
+            zip(device_spec.group_sizes, device_spec.block_indices, strict=True)
+        ):
+            if size == 0:
+                continue
+            logical = first % bpc + np.arange(size)
+            used = -(-(first % bpc + size) // bpc)
+            host_chunks = chunks[chunk_offset + logical // bpc]
+            yield group, ids[offset : offset + size], host_chunks, logical % bpc
+            offset += size
+            chunk_offset += used
+        assert offset == len(ids) and chunk_offset == len(chunks), "job spans do not add up"
+
+    def _copy(self, job_id: int, device_spec: GPULoadStoreSpec, host_spec: Any, store: bool):
+        start = time.perf_counter()
+        chunks = np.asarray(host_spec.block_ids, dtype=np.int64)
+        moved = 0
+        for group, blocks, host_chunks, slots in self._pairs(device_spec, chunks):
+            chunk_index = torch.from_numpy(host_chunks)
+            slot_index = torch.from_numpy(slots.astype(np.int64))
+            for ref in self.refs[group]:
+                size = ref.page_size_bytes
+                device = self.device[ref.tensor_idx]
+                host = self.host[ref.tensor_idx]
+                index = torch.from_numpy(blocks.astype(np.int64)).to(device.device)
+                if store:
+                    pages = device.index_select(0, index)[:, :size].to("cpu")
+                    host[chunk_index, slot_index, :size] = pages
+                else:
+                    pages = host[chunk_index, slot_index, :size].to(device.device)
+                    device[:, :size].index_copy_(0, index, pages)
+                moved += len(blocks) * size
+        self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
+        return True
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self._copy(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._copy(job_id, dst_spec, src_spec, store=False)
+
+    def get_finished(self) -> list[TransferResult]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: set[int]) -> None:
+        # Every job completed inside its submit call: nothing touches device memory later.
+        return
+
+    def shutdown(self) -> None:
+        self.host = []
+
+
+class HpuCPUOffloadingSpec(CPUOffloadingSpec):
+    """vLLM's CPU offloading (host-chunk manager, eviction policy, metrics) with the HPU worker."""
+
+    _hpu_worker: HpuOffloadingWorker | None = None
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        # vLLM's own refuses every platform but CUDA and XPU; this one serves the HPU.
+        if self._hpu_worker is None:
+            self._hpu_worker = self.create_worker(kv_caches)
+        return self._hpu_worker
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
+        return HpuOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+
+
+def register() -> None:
+    """Make `"spec_name": "HpuCPUOffloadingSpec"` name this spec (once per process)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    if SPEC_NAME not in OffloadingSpecFactory._registry:
+        OffloadingSpecFactory.register_spec(SPEC_NAME, __name__, "HpuCPUOffloadingSpec")
