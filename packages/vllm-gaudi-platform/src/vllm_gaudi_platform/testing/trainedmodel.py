@@ -21,10 +21,12 @@ Determinism: the same bytes on every x86-64 machine, whatever its instruction se
 or load. Training runs in a fresh interpreter (nothing the calling process set, such as vLLM's
 thread and oneDNN settings, reaches it) whose kernels are pinned to the AVX2 code paths every
 x86-64 machine we support has (`PINNED_KERNELS`: torch's own vectorized kernels, MKL's
-conditional numerical reproducibility branch, oneDNN's ISA cap), with fixed seeds for the weights
-and the batch order and `torch.use_deterministic_algorithms`. Without the pin, an AVX-512 machine
-runs wider kernels that sum in another order: its weights differed from an AVX2 machine's, and
-even between 1 and 2 threads. The unit tests check 1 and 2 threads, and a parent environment that
+conditional numerical reproducibility branch in its strict mode, oneDNN's ISA cap), with fixed
+seeds for the weights and the batch order and `torch.use_deterministic_algorithms`. Without the
+pin, an AVX-512 machine runs wider kernels that sum in another order: its weights differed from
+an AVX2 machine's, and even between 1 and 2 threads. Without the strict mode, MKL's branch is
+reproducible only at a fixed thread count: on an AVX-512 machine with AMX, 1 and 2 threads gave
+other bytes. The unit tests check 1 and 2 threads, and a parent environment that
 asks for AVX-512 kernels, against the same bytes. Elsewhere than x86-64 nothing is pinned (the
 pin's settings are part of the cache key, so such a machine trains and caches its own model).
 
@@ -126,7 +128,8 @@ FORMAT_VERSION = 1
 # are set in the training process's environment before torch is imported (see the docstring).
 PINNED_KERNELS_X86 = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorized CPU kernels
-    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: the AVX2 branch
+    # MKL's conditional numerical reproducibility: the AVX2 branch, the same at any thread count
+    "MKL_CBWR": "AVX2,STRICT",
     "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "MKL_DYNAMIC": "FALSE",  # exactly the threads asked for
