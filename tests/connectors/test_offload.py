@@ -14,6 +14,7 @@ the HPU KV cache and host chunks.
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -89,6 +90,51 @@ def test_the_worker_stores_pages_and_loads_them_back_into_other_blocks():
     # Nothing else was written.
     untouched = [b for b in range(16) if b not in (8, 9, 10, 11, 12)]
     assert not any(t.tensor[untouched].any() for t in caches.tensors)
+
+
+# The same round trip with the KV cache on the Habana stand-in's torch device "hpu", which
+# refuses an op mixing device and host tensors as a Gaudi does.
+ON_HPU_DEVICE = r"""
+import json, os
+os.environ["HABANA_STANDIN_TORCH_DEVICE"] = "1"
+import torch
+import habana_frameworks.torch  # noqa: F401
+from tests.connectors.test_offload import _worker_caches
+from vllm.v1.kv_offload.base import GPULoadStoreSpec
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+from vllm_gaudi_connectors.offload import HpuOffloadingWorker
+
+caches = _worker_caches()
+for t in caches.tensors:
+    t.tensor = t.tensor.to("hpu")
+original = [t.tensor.cpu() for t in caches.tensors]
+worker = HpuOffloadingWorker(caches, blocks_per_chunk=4, num_chunks=8)
+worker.submit_store(1, GPULoadStoreSpec([5, 6, 7], [3], [2]), CPULoadStoreSpec([6, 1]))
+for t in caches.tensors:
+    t.tensor.zero_()
+worker.submit_load(2, CPULoadStoreSpec([6, 1]), GPULoadStoreSpec([10, 11, 12], [3], [2]))
+out = {
+    "devices": [t.tensor.device.type for t in caches.tensors],
+    "jobs": [r.job_id for r in worker.get_finished()],
+    "restored": all(
+        torch.equal(caches.tensors[i].tensor[dst].cpu(), original[i][src])
+        for i in (0, 1) for src, dst in ((5, 10), (6, 11), (7, 12))
+    ),
+}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_the_worker_round_trip_on_the_standin_hpu_device(run_python):
+    from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
+    from tests.integration.generation import job_result
+
+    if REAL_GAUDI_SOFTWARE:
+        pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
+    env = standin_process_env(2)
+    env["PYTHONPATH"] = os.pathsep.join([str(env["PYTHONPATH"]), str(REPO)])
+    result = job_result(run_python(ON_HPU_DEVICE, env=env, timeout=120), "stand-in worker job")
+    assert result == {"devices": ["hpu", "hpu"], "jobs": [1, 2], "restored": True}
 
 
 REGISTER_TWICE = """
