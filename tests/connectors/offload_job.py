@@ -27,6 +27,8 @@ def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from tests.integration.engine_job import completion
+
     llm = LLM(model=job["model"], **job["engine"])
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], logprobs=5, ignore_eos=True
@@ -36,18 +38,7 @@ def run(job: dict) -> dict:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
-        rounds.append(
-            [
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        {str(t): lp.logprob for t, lp in step.items()}
-                        for step in o.outputs[0].logprobs
-                    ],
-                }
-                for o in outs
-            ]
-        )
+        rounds.append([completion(o) for o in outs])
         values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
         counters.append({name: values.get(name, 0) for name in COUNTERS})
     return {"rounds": rounds, "counters": counters}

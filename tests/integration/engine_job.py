@@ -20,6 +20,17 @@ import json
 import sys
 
 
+def completion(output) -> dict:
+    """One request's greedy tokens and each step's top logprobs ({token id: logprob}), the form
+    generation.assert_close compares (the other job scripts report theirs through this too)."""
+    return {
+        "tokens": list(output.outputs[0].token_ids),
+        "logprobs": [
+            {str(t): lp.logprob for t, lp in step.items()} for step in output.outputs[0].logprobs
+        ],
+    }
+
+
 def run(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -32,18 +43,7 @@ def run(job: dict) -> dict:
     rounds = []
     for _ in range(job.get("rounds", 1)):
         outs = llm.generate(prompts, params, use_tqdm=False)
-        rounds.append(
-            [
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        {str(t): lp.logprob for t, lp in step.items()}
-                        for step in o.outputs[0].logprobs
-                    ],
-                }
-                for o in outs
-            ]
-        )
+        rounds.append([completion(o) for o in outs])
     result = {
         "rounds": rounds,
         "platform": type(__import__("vllm.platforms").platforms.current_platform).__name__,

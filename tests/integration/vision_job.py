@@ -26,6 +26,7 @@ def run(job: dict) -> dict:
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
 
+    from tests.integration.engine_job import completion
     from tests.integration.vision import CASES, MAX_TOKENS, prompt_text
 
     processor = AutoProcessor.from_pretrained(job["model"])
@@ -41,18 +42,7 @@ def run(job: dict) -> dict:
             for name in names
         ]
         outs = llm.generate(requests, params, use_tqdm=False)
-        rounds.append(
-            {
-                name: {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "logprobs": [
-                        {str(t): lp.logprob for t, lp in step.items()}
-                        for step in o.outputs[0].logprobs
-                    ],
-                }
-                for name, o in zip(names, outs, strict=True)
-            }
-        )
+        rounds.append({name: completion(o) for name, o in zip(names, outs, strict=True)})
         cache.append(_prefix_cache(llm))
     result = {"rounds": rounds, "prefix_cache": cache}
     if job.get("stats"):
