@@ -291,7 +291,7 @@ def test_packed_rows_get_query_buckets_up_to_the_token_budget():
     # Budget 512 over a plan whose single-row queries stop at max_model_len (128): a row packed
     # with several prompts can hold up to 512 new tokens; those buckets only packed rows fill.
     plan = _plan(prompt=[(1, 64, 0), (1, 128, 2)])
-    extended = step_layout.with_packed_context(plan, packed_query_max=512)
+    extended = step_layout.with_packed_context(plan, packed_rows=(512, 128))
     longer = {b for b in extended.prompt if b.query_len > 128}
     assert longer == {Bucket("prompt", 1, q, c) for q in (256, 512) for c in (0, 2, 4, 8)}
     assert all(step_layout.packed_only(b, 128) for b in longer)
@@ -301,6 +301,10 @@ def test_packed_rows_get_query_buckets_up_to_the_token_budget():
         query_lens=[100] * 4, seq_lens=[100] * 4, block_size=BLOCK, plan=extended
     )
     assert layout.warmed and layout.prefill.bucket == Bucket("prompt", 1, 512, 0)
+    # A budget within max_model_len adds no query bucket: the plan's own query range (which an
+    # operator may have capped below max_model_len) stays as it is.
+    capped = step_layout.with_packed_context(plan, packed_rows=(512, 512))
+    assert max(b.query_len for b in capped.prompt) == 128
     unextended = step_layout.with_packed_context(plan)
     layout = step_layout.plan_step(
         query_lens=[100] * 4, seq_lens=[100] * 4, block_size=BLOCK, plan=unextended

@@ -74,7 +74,7 @@ def _blocks(tokens: int, block_size: int) -> int:
 
 
 def with_packed_context(
-    plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR, *, packed_query_max: int = 0
+    plan: BucketPlan, factor: int = PACKED_CONTEXT_FACTOR, *, packed_rows: tuple[int, int] = (0, 0)
 ) -> BucketPlan:
     """Add the single-row prompt buckets that packed prefills need.
 
@@ -82,11 +82,12 @@ def with_packed_context(
     sequence's maximum. For every single-row query bucket this adds context buckets doubling from
     the plan's largest up to `factor` times it, so that a step with several chunked or
     prefix-cached prefills still finds a warmed shape. Its new tokens can exceed one sequence's
-    maximum too, when the token budget is above max_model_len: query buckets doubling from the
-    plan's largest up to `packed_query_max` (the token budget) are added, at every context of the
-    single-row buckets; only packed rows can fill them (`packed_only`). A plan read from a bucket
-    file is kept exactly as the operator wrote it; a fitted plan already holds its packed-prefill
-    bucket.
+    maximum too, when the token budget is above max_model_len (`packed_rows`: the budget and
+    max_model_len): query buckets above max_model_len, doubling from the plan's largest up to the
+    budget, are added at every context of the single-row buckets; only packed rows can fill them
+    (`packed_only`). Below max_model_len the plan's query range is kept as it is. A plan read
+    from a bucket file is kept exactly as the operator wrote it; a fitted plan already holds its
+    packed-prefill bucket.
     """
     if plan.strategy in ("file", "fitted"):
         return plan
@@ -100,12 +101,12 @@ def with_packed_context(
         c *= 2
     queries = sorted({b.query_len for b in singles})
     extra = [Bucket("prompt", 1, q, c) for q in queries for c in extra_ctx]
+    budget, longest = packed_rows
     longer, q = [], queries[-1] * 2
-    while q < packed_query_max:
+    while q < budget:
         longer.append(q)
         q *= 2
-    if packed_query_max > queries[-1]:
-        longer.append(packed_query_max)
+    longer = [q for q in (*longer, budget) if q > max(longest, queries[-1])]
     contexts = sorted({b.ctx_blocks for b in singles} | set(extra_ctx))
     extra += [Bucket("prompt", 1, q, c) for q in longer for c in contexts]
     return dataclasses.replace(plan, prompt=(*plan.prompt, *extra))

@@ -205,7 +205,7 @@ class HPUModelRunner(GPUModelRunner):
                 block_size=self.block_size,
                 num_kv_blocks=kv_cache_config.num_blocks,
             ),
-            packed_query_max=self.max_num_batched_tokens,
+            packed_rows=(self.max_num_batched_tokens, self.max_model_len),
         )
         # Speculative decoding: verification steps (1 + k tokens per sequence) get their buckets.
         self.bucket_plan = spec_decode.with_verify_buckets(
