@@ -48,7 +48,10 @@ LOGPROB_TOLERANCE = 1e-4
 # An FP8 KV cache keeps 3 mantissa bits: a last-bit difference in a float32 key or value before
 # the cast (the compiled graph orders some float ops differently) can round one element to the
 # neighbouring FP8 value. Measured: 1.08e-4 at most (tokens identical).
-FP8_KV_CASES = {"ct-wna16-kv-fp8": 1e-3}
+# Static FP8 activations likewise: on an AVX-512 machine with AMX, the compiled and eager passes
+# of the FP8 Mixtral differ in one activation's FP8 rounding. Measured there: 7.0e-3 on one first
+# token (tokens identical; the same at the previous release of this test, so not a regression).
+FP8_KV_CASES = {"ct-wna16-kv-fp8": 1e-3, "mixtral-fp8-static": 1e-2}
 EMBEDDING_TOLERANCE = 1e-5  # unit-norm vectors, float32 on both sides
 
 
