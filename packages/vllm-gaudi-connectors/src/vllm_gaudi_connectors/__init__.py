@@ -11,6 +11,7 @@ from __future__ import annotations
 from vllm_gaudi_platform import plugins
 
 NIXL_CONNECTOR = ("HpuNixlConnector", "vllm_gaudi_connectors.nixl", "HpuNixlConnector")
+OFFLOAD_SPEC = ("HpuCPUOffloadingSpec", "vllm_gaudi_connectors.offload", "HpuCPUOffloadingSpec")
 
 
 @plugins.general_plugin("hpu_nixl")
@@ -31,7 +32,11 @@ def register_nixl() -> None:
 
 @plugins.general_plugin("hpu_offload")
 def register_offload() -> None:
-    """Register HpuCPUOffloadingSpec with vLLM's OffloadingSpecFactory (kept if present)."""
-    from vllm_gaudi_connectors import offload
+    """Register HpuCPUOffloadingSpec with vLLM's OffloadingSpecFactory (kept if present). The
+    factory imports offload.py (torch, vLLM's offloading modules) only when a spec is built: this
+    runs in every process."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    offload.register()
+    name, module, cls = OFFLOAD_SPEC
+    if name not in OffloadingSpecFactory._registry:
+        OffloadingSpecFactory.register_spec(name, module, cls)

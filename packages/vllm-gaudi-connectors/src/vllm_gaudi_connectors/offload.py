@@ -40,8 +40,6 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 logger = init_logger(__name__)
 
-SPEC_NAME = "HpuCPUOffloadingSpec"
-
 
 class HpuOffloadingWorker(OffloadingWorker):
     """Moves whole block pages between the HPU KV cache and host chunks, one job at a time."""
@@ -138,11 +136,3 @@ class HpuCPUOffloadingSpec(CPUOffloadingSpec):
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         return HpuOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
-
-
-def register() -> None:
-    """Make `"spec_name": "HpuCPUOffloadingSpec"` name this spec (once per process)."""
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    if SPEC_NAME not in OffloadingSpecFactory._registry:
-        OffloadingSpecFactory.register_spec(SPEC_NAME, __name__, "HpuCPUOffloadingSpec")
