@@ -100,6 +100,7 @@ def test_every_general_plugin_loads_and_registers_nothing(report):
         "hpu_quant_awq",
         "hpu_quant_gptq",
         "hpu_quant_compressed_tensors",
+        "hpu_quant_mxfp4",
         "hpu_nixl",
         "hpu_offload",
     }

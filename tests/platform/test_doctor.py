@@ -346,7 +346,7 @@ def test_text_output_shows_each_changed_setting_with_its_default(capsys, monkeyp
     assert "VLLM_SKIP_WARMUP" not in out
 
 
-QUANT_METHODS = ["inc", "fp8", "awq_hpu", "gptq_hpu", "compressed-tensors"]
+QUANT_METHODS = ["inc", "fp8", "awq_hpu", "gptq_hpu", "compressed-tensors", "gpt_oss_mxfp4"]
 
 
 def quantization(report: dict) -> dict[str, dict]:

@@ -4,11 +4,12 @@ process, and prints one JSON line per checkpoint.
     python quant_job.py '<json job>'
 
 Job keys: checkpoints ({name: model path}), prompts (token id lists), max_tokens, engine (LLM
-kwargs). For each checkpoint, as soon as its engine is done: `RESULT <name> <json>` with the
-greedy tokens and top-5 logprobs, the quantization method vLLM resolved, what every linear layer
-of the worker's model runs (its compressed-tensors scheme, or its quant method), what every MoE
-layer runs, and the KV cache (dtype vLLM configured; per attention layer the backend's cache
-dtype and the k/v scales); or `{"error": ...}` if that engine failed. One process for all of
+kwargs), stats (bool: also report the HPU runner's recompile statistics). For each checkpoint,
+as soon as its engine is done: `RESULT <name> <json>` with the greedy tokens and top-5
+logprobs, the quantization method vLLM resolved, what every linear layer of the worker's model
+runs (its compressed-tensors scheme, or its quant method), what every MoE layer runs, and the KV
+cache (dtype vLLM configured; per attention layer the backend's cache dtype and the k/v
+scales); or `{"error": ...}` if that engine failed. One process for all of
 them: vLLM and torch are imported once.
 """
 
@@ -61,12 +62,15 @@ def run(model: str, job: dict) -> dict:
             for o in outs
         ]
         config = llm.llm_engine.vllm_config
-        return {
+        result = {
             "results": results,
             "quantization": config.model_config.quantization,
             "kv_cache_dtype": config.cache_config.cache_dtype,
             **llm.collective_rpc(_inspect)[0],
         }
+        if job.get("stats"):
+            result["stats"] = llm.collective_rpc("get_recompile_stats")[0]
+        return result
     finally:
         # The next checkpoint's engine starts in this process: stop this one's first.
         llm.llm_engine.engine_core.shutdown()

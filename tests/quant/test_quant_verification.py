@@ -38,7 +38,7 @@ for label, kwargs in [
 print("RESULT " + json.dumps(out))
 """
 
-ALL_METHODS = ["inc", "fp8", "awq_hpu", "gptq_hpu", "compressed-tensors"]
+ALL_METHODS = ["inc", "fp8", "awq_hpu", "gptq_hpu", "compressed-tensors", "gpt_oss_mxfp4"]
 
 
 def _run(run_python, tmp_path, env: dict[str, str]) -> dict:
@@ -60,7 +60,7 @@ def every_method(run_python, tmp_path_factory):
 @pytest.fixture(scope="module")
 def without_awq(run_python, tmp_path_factory):
     plugins = "hpu," + ",".join(
-        f"hpu_quant_{m}" for m in ("inc", "fp8", "gptq", "compressed_tensors")
+        f"hpu_quant_{m}" for m in ("inc", "fp8", "gptq", "compressed_tensors", "mxfp4")
     )
     return _run(run_python, tmp_path_factory.mktemp("trimmed"), {"VLLM_PLUGINS": plugins})
 
@@ -81,7 +81,13 @@ def test_a_method_hpu_cannot_run_is_refused_naming_it_and_the_supported_ones(eve
 
 
 def test_a_trimmed_entry_point_drops_its_method_from_the_supported_list(without_awq):
-    assert without_awq["supported"] == ["inc", "fp8", "gptq_hpu", "compressed-tensors"]
+    assert without_awq["supported"] == [
+        "inc",
+        "fp8",
+        "gptq_hpu",
+        "compressed-tensors",
+        "gpt_oss_mxfp4",
+    ]
 
 
 def test_an_awq_checkpoint_without_the_awq_entry_point_is_refused(without_awq):

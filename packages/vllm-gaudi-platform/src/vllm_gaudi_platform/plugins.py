@@ -33,6 +33,7 @@ QUANT_METHODS: dict[str, tuple[str, ...]] = {
     "hpu_quant_awq": ("awq_hpu",),
     "hpu_quant_gptq": ("gptq_hpu",),
     "hpu_quant_compressed_tensors": ("compressed-tensors",),
+    "hpu_quant_mxfp4": ("gpt_oss_mxfp4",),
 }
 
 

@@ -71,6 +71,11 @@ def _register() -> None:
         torch.library.define(qualname, _kernels.MOE_FP8_SCHEMA)
         torch.library.impl(qualname, "CompositeExplicitAutograd")(_kernels.mixture_of_experts_fp8)
         torch.library.register_fake(qualname)(_fake_mixture_of_experts_fp8)
+    if "bias_mxfp4_fused_weights" not in torch.ops.hpu.mixture_of_experts.overloads():
+        qualname = "hpu::mixture_of_experts.bias_mxfp4_fused_weights"
+        torch.library.define(qualname, _kernels.MOE_MXFP4_SCHEMA)
+        torch.library.impl(qualname, "CompositeExplicitAutograd")(_kernels.mixture_of_experts_mxfp4)
+        torch.library.register_fake(qualname)(_fake_mixture_of_experts)
 
 
 def _fake_cast_to_fp8_v2_scalar(
@@ -109,12 +114,25 @@ def _register_scalar_overloads() -> None:
 def _register_dynamo_backend() -> None:
     # Fact: importing habana_frameworks.torch registers the torch.compile backend "hpu_backend"
     # (an AOT-autograd backend compiling the FX graph for the Gaudi graph compiler). The
-    # stand-in's runs the traced graph on the CPU through aot_eager's path.
+    # stand-in's runs the traced graph on the CPU through aot_eager's path, and marks the time
+    # a compiled graph runs (ops blocklisted in the eager frontend are legal there).
     from torch._dynamo import list_backends, register_backend
     from torch._dynamo.backends.debugging import aot_eager
 
+    def hpu_backend(gm, example_inputs, **kwargs):
+        compiled = aot_eager(gm, example_inputs, **kwargs)
+
+        def run(*args):
+            _kernels.IN_COMPILED_GRAPH[0] += 1
+            try:
+                return compiled(*args)
+            finally:
+                _kernels.IN_COMPILED_GRAPH[0] -= 1
+
+        return run
+
     if "hpu_backend" not in list_backends(exclude_tags=()):
-        register_backend(name="hpu_backend")(aot_eager)
+        register_backend(name="hpu_backend")(hpu_backend)
 
 
 _register()

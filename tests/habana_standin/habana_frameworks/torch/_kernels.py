@@ -475,3 +475,137 @@ def _moe(
             y = h @ down.t()
             out[rows] += y * router_weights[rows, slot].float().unsqueeze(-1)
     return out.to(router_weights.dtype if fp8 else hidden_states.dtype)
+
+
+# ----------------------------------------------------------------------------- MXFP4 MoE
+# Fact: the biased MXFP4 overload's argument order (Intel's call of
+# torch.ops.hpu.mixture_of_experts.bias_mxfp4_fused_weights): hidden states, routing table, router
+# weights, then per-expert lists w12, w3, w12 biases, w3 biases, w12 scales, w3 scales; then
+# block_size, permuted_weights, experts_min, experts_max, is_fp4, chunk_size, total_experts, alpha
+# and limit, which Intel passes by name. The stand-in makes those keyword-only.
+MOE_MXFP4_SCHEMA = (
+    "(Tensor hidden_states, Tensor expert_routing_table, Tensor router_weights, Tensor[] w12, "
+    "Tensor[] w3, Tensor[] w12_bias, Tensor[] w3_bias, Tensor[] d_scale_w12, "
+    "Tensor[] d_scale_w3, *, int block_size, bool permuted_weights, int experts_min, "
+    "int experts_max, bool is_fp4, int chunk_size=0, int total_experts=0, float alpha, "
+    "float limit) -> Tensor"
+)
+# Fact: OCP MX E2M1 element values (sign bit 3, magnitude by bits 0-2) and E8M0 scales
+# 2 ** (s - 127), 255 reserved for NaN; two elements per byte, the even one in the low nibble
+# (OCP Microscaling Formats v1.0; the gpt-oss checkpoints and transformers' MXFP4 dequantizer).
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+# Set while the stand-in's hpu_backend runs a compiled graph (see __init__.py).
+IN_COMPILED_GRAPH = [0]
+
+
+def _mxfp4_weight(w: torch.Tensor, scale: torch.Tensor, block: int, what: str) -> torch.Tensor:
+    _require(w.dtype == torch.uint8, f"bias_mxfp4_fused_weights: {what} is {w.dtype}, not uint8")
+    _require(
+        scale.dtype == torch.uint8,
+        f"bias_mxfp4_fused_weights: {what} scale is {scale.dtype}, not uint8 (E8M0)",
+    )
+    _require(w.dim() == 2, f"bias_mxfp4_fused_weights: {what} of shape {tuple(w.shape)}")
+    rows, cols = w.shape[0], 2 * w.shape[1]
+    _require(
+        tuple(scale.shape) == (rows, cols // block) and cols % block == 0,
+        f"bias_mxfp4_fused_weights: {what} scale {tuple(scale.shape)} for a [{rows}, {cols}] "
+        f"weight in blocks of {block}",
+    )
+    magnitudes = torch.tensor(_FP4_MAGNITUDES)
+    codes = torch.empty(rows, cols, dtype=torch.long)
+    codes[:, 0::2] = (w & 0xF).long()
+    codes[:, 1::2] = (w >> 4).long()
+    values = magnitudes[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
+    exps = scale.long().repeat_interleave(block, dim=1)
+    factors = torch.where(exps == 255, float("nan"), torch.exp2((exps - 127).double()).float())
+    return values * factors
+
+
+def mixture_of_experts_mxfp4(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor],
+    w3: list[torch.Tensor],
+    w12_bias: list[torch.Tensor],
+    w3_bias: list[torch.Tensor],
+    d_scale_w12: list[torch.Tensor],
+    d_scale_w3: list[torch.Tensor],
+    *,
+    block_size: int,
+    permuted_weights: bool,
+    experts_min: int,
+    experts_max: int,
+    is_fp4: bool,
+    chunk_size: int = 0,
+    total_experts: int = 0,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    # Fact: the MXFP4 overloads are blocklisted in the eager frontend: outside lazy mode they
+    # run only inside a graph compiled by hpu_backend (Intel wraps each call in
+    # torch.compile(backend="hpu_backend") for that reason).
+    _require(
+        _device.lazy_mode() or IN_COMPILED_GRAPH[0] > 0,
+        "bias_mxfp4_fused_weights: not supported in the eager frontend (PT_HPU_LAZY_MODE=0 "
+        "outside a compiled graph)",
+    )
+    # Fact: the MXFP4 overloads take an int32 routing table (Intel casts the top-k ids).
+    _require(
+        expert_routing_table.dtype == torch.int32,
+        f"bias_mxfp4_fused_weights: expert_routing_table is {expert_routing_table.dtype}, "
+        "not int32",
+    )
+    _require(
+        router_weights.dtype == hidden_states.dtype,
+        f"bias_mxfp4_fused_weights: router_weights {router_weights.dtype} vs hidden_states "
+        f"{hidden_states.dtype}",
+    )
+    # Fact: Intel's only configuration: 32-value blocks, FP4 elements, [out, in] weights.
+    _require(block_size == 32, f"bias_mxfp4_fused_weights: block_size {block_size}")
+    _require(is_fp4, "bias_mxfp4_fused_weights: is_fp4=False (the FP4 form only)")
+    _require(permuted_weights, "bias_mxfp4_fused_weights: permuted_weights=False")
+    local = experts_max - experts_min + 1
+    for what, tensors in (
+        ("w12", w12),
+        ("w3", w3),
+        ("w12_bias", w12_bias),
+        ("w3_bias", w3_bias),
+        ("d_scale_w12", d_scale_w12),
+        ("d_scale_w3", d_scale_w3),
+    ):
+        _require(
+            len(tensors) == local,
+            f"bias_mxfp4_fused_weights: {len(tensors)} {what} for experts "
+            f"{experts_min}..{experts_max}",
+        )
+    x = hidden_states.float()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(local):
+        up = _mxfp4_weight(w12[e], d_scale_w12[e], block_size, "w12")
+        down = _mxfp4_weight(w3[e], d_scale_w3[e], block_size, "w3")
+        _require(
+            up.shape[1] == x.shape[1] and down.shape[0] == x.shape[1],
+            f"bias_mxfp4_fused_weights: expert weights {tuple(up.shape)} / {tuple(down.shape)} "
+            f"for hidden size {x.shape[1]}",
+        )
+        _require(
+            tuple(w12_bias[e].shape) == (up.shape[0],) and tuple(w3_bias[e].shape) == (x.shape[1],),
+            "bias_mxfp4_fused_weights: one bias per output row of each expert weight",
+        )
+        # Router weight of expert e for each token (0 where it is not among the token's top k).
+        hit = expert_routing_table == experts_min + e
+        rows = hit.any(dim=1).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        weight = (router_weights.float() * hit).sum(dim=1)[rows]
+        h = x[rows] @ up.t() + w12_bias[e].float()
+        # Fact: gpt-oss's SwiGLU on interleaved rows (gate 2j, up 2j + 1), with the clamp
+        # `limit` and the sigmoid slope `alpha` (Intel: the op's GPT_SWIGLU mode, alpha 1.702,
+        # limit 7.0; the model's reference implementation).
+        gate = h[:, 0::2].clamp(max=limit)
+        lin = h[:, 1::2].clamp(min=-limit, max=limit)
+        y = ((lin + 1) * gate * torch.sigmoid(alpha * gate)) @ down.t() + w3_bias[e].float()
+        out[rows] += y * weight.unsqueeze(-1)
+    return out.to(hidden_states.dtype)

@@ -152,6 +152,25 @@ class HpuBackend(Protocol):
         experts_max: int,
     ) -> torch.Tensor: ...
 
+    # MXFP4 experts (uint8 E2M1 pairs with E8M0 scales per 32 values) with biases and gpt-oss's
+    # clamped SwiGLU over interleaved gate/up rows (see emulated_moe.mixture_of_experts_mxfp4).
+    def mixture_of_experts_mxfp4(
+        self,
+        hidden_states: torch.Tensor,
+        expert_routing_table: torch.Tensor,
+        router_weights: torch.Tensor,
+        w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        w12_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        w3_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+        experts_min: int,
+        experts_max: int,
+        alpha: float,
+        limit: float,
+    ) -> torch.Tensor: ...
+
     # ------------------------------------------------------------------ KV block copies
     def copy_blocks(
         self,

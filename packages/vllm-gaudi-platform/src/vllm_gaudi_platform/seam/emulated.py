@@ -33,6 +33,9 @@ from vllm_gaudi_platform.seam.emulated_kv_cache import paged_decode as paged_dec
 from vllm_gaudi_platform.seam.emulated_moe import MOE_ACTIVATIONS as MOE_ACTIVATIONS
 from vllm_gaudi_platform.seam.emulated_moe import mixture_of_experts as mixture_of_experts
 from vllm_gaudi_platform.seam.emulated_moe import mixture_of_experts_fp8 as mixture_of_experts_fp8
+from vllm_gaudi_platform.seam.emulated_moe import (
+    mixture_of_experts_mxfp4 as mixture_of_experts_mxfp4,
+)
 from vllm_gaudi_platform.seam.emulated_quant import cast_from_fp8 as cast_from_fp8
 from vllm_gaudi_platform.seam.emulated_quant import cast_to_fp8_v2 as cast_to_fp8_v2
 from vllm_gaudi_platform.seam.emulated_quant import convert_from_uint4 as convert_from_uint4

@@ -13,8 +13,10 @@ import torch.nn.functional as F
 
 from vllm_gaudi_platform.seam.emulated_graph import kernel
 from vllm_gaudi_platform.seam.emulated_quant import (
+    MXFP4_BLOCK,
     cast_from_fp8,
     cast_to_fp8_v2,
+    dequantize_mxfp4,
     fp8_max,
 )
 
@@ -61,6 +63,31 @@ def mixture_of_experts(
     )
 
 
+# One expert's output for some of the tokens: (their hidden states [n, hidden], the expert's
+# local index) -> [n, hidden].
+Expert = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def _gated_expert(
+    w12: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    permuted_weights: bool,
+    activation: str,
+    intermediate: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+) -> Expert:
+    """The expert of `mixture_of_experts`: w3 @ (act(gate) * up), gate/up the halves of w12 @ x;
+    `intermediate(h, expert)` (FP8 variant) maps each act(gate) * up before the down projection."""
+
+    def run(x: torch.Tensor, expert: int) -> torch.Tensor:
+        up_w, down_w = w12[expert], w3[expert]
+        gate, up = (x @ (up_w.t() if permuted_weights else up_w)).chunk(2, dim=-1)
+        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        h = act * up if intermediate is None else intermediate(act * up, expert)
+        return h @ (down_w.t() if permuted_weights else down_w)
+
+    return run
+
+
 def _moe(
     hidden_states: torch.Tensor,
     expert_routing_table: torch.Tensor,
@@ -83,6 +110,24 @@ def _moe(
             f"mixture_of_experts: {len(w12)}/{len(w3)} expert weights for experts "
             f"{experts_min}..{experts_max}"
         )
+    expert = _gated_expert(w12, w3, permuted_weights, activation, intermediate)
+    return _routed(
+        hidden_states, expert_routing_table, router_weights, experts_min, num_local, expert
+    )
+
+
+def _routed(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    experts_min: int,
+    num_local: int,
+    expert: Expert,
+    expert_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """out[t] = sum_k router_weights[t, k] * expert(hidden_states[t], table[t, k] - experts_min)
+    over the slots routed to a local expert, summed in float32, in hidden_states' dtype; each
+    expert's output is kept in `expert_dtype` (default: hidden_states')."""
     tokens, hidden = hidden_states.shape
     topk = expert_routing_table.shape[-1]
     local = expert_routing_table.reshape(-1).long() - experts_min
@@ -92,15 +137,7 @@ def _moe(
         # Under torch.compile: every local expert over every token, weighted by its routing
         # weight (zero where not routed), so no shape depends on the routing.
         return _dense_experts(
-            hidden_states,
-            local.view(tokens, topk),
-            router_weights,
-            w12,
-            w3,
-            permuted_weights,
-            activation,
-            num_local,
-            intermediate,
+            hidden_states, local.view(tokens, topk), router_weights, num_local, expert
         )
     counts = torch.bincount(local, minlength=num_local + 1)[:num_local].tolist()
     order = torch.argsort(local, stable=True)[: sum(counts)]
@@ -110,19 +147,14 @@ def _moe(
     # all slots at once. Per-expert gathers and scatters cost about as much as the matmuls on
     # small models, and at decode sizes (a few rows per expert) are a measurable share too.
     x = hidden_states.index_select(0, rows)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=expert_dtype)
     start = 0
-    for expert, count in enumerate(counts):
+    for e, count in enumerate(counts):
         if count == 0:
             continue
         span = slice(start, start + count)
         start += count
-        up_w, down_w = w12[expert], w3[expert]
-        gate_up = x[span] @ (up_w.t() if permuted_weights else up_w)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-        h = act * up if intermediate is None else intermediate(act * up, expert)
-        torch.mm(h, down_w.t() if permuted_weights else down_w, out=y[span])
+        y[span] = expert(x[span], e)
     weights = router_weights.reshape(-1)[order].float().unsqueeze(-1)
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
     out.index_add_(0, rows, y.float() * weights)
@@ -133,27 +165,18 @@ def _dense_experts(
     hidden_states: torch.Tensor,
     local: torch.Tensor,
     router_weights: torch.Tensor,
-    w12: Sequence[torch.Tensor],
-    w3: Sequence[torch.Tensor],
-    permuted_weights: bool,
-    activation: str,
     num_local: int,
-    intermediate: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+    expert: Expert,
 ) -> torch.Tensor:
-    """`mixture_of_experts` with static shapes: each expert's output for every token, times the
-    token's routing weight for it ([tokens, topk] local ids; id num_local: another rank's)."""
+    """`_routed` with static shapes: each expert's output for every token, times the token's
+    routing weight for it ([tokens, topk] local ids; id num_local: another rank's)."""
     tokens, hidden = hidden_states.shape
     weights = torch.zeros(tokens, num_local + 1, dtype=torch.float32, device=hidden_states.device)
     weights.scatter_add_(1, local, router_weights.reshape(tokens, -1).float())
     out = torch.zeros(tokens, hidden, dtype=torch.float32, device=hidden_states.device)
-    for expert in range(num_local):
-        up_w, down_w = w12[expert], w3[expert]
-        gate_up = hidden_states @ (up_w.t() if permuted_weights else up_w)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-        h = act * up if intermediate is None else intermediate(act * up, expert)
-        y = h @ (down_w.t() if permuted_weights else down_w)
-        out += y.float() * weights[:, expert : expert + 1]
+    for e in range(num_local):
+        y = expert(hidden_states, e)
+        out += y.float() * weights[:, e : e + 1]
     return out.to(hidden_states.dtype)
 
 
@@ -252,4 +275,84 @@ def mixture_of_experts_fp8(
         experts_min,
         experts_max,
         intermediate=quantize,
+    )
+
+
+@kernel
+def mixture_of_experts_mxfp4(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w12_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    experts_min: int,
+    experts_max: int,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """Gaudi's MXFP4 mixture of experts with biases and gpt-oss's clamped SwiGLU
+    (torch.ops.hpu.mixture_of_experts.bias_mxfp4_fused_weights).
+
+    `expert_routing_table` int32 [tokens, topk]; router_weights [tokens, topk] in
+    hidden_states' dtype. Per local expert (experts_min..experts_max): `w12` uint8
+    [2 * inter, hidden / 2] and `w3` uint8 [hidden, inter / 2], MXFP4 [out, in] weights whose
+    E8M0 scales are `d_scale_w12` [2 * inter, hidden / 32] and `d_scale_w3` [hidden, inter / 32]
+    (see `dequantize_mxfp4`); `w12_bias` [2 * inter] and `w3_bias` [hidden]. The rows of w12
+    interleave gate and up (row 2j gate j, row 2j + 1 up j), as gpt-oss stores them:
+    g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g),
+    expert(x) = w3 @ h + w3_bias. Weights dequantize exactly; products accumulate in float32;
+    the result has hidden_states' dtype."""
+    if expert_routing_table.dtype != torch.int32:
+        raise ValueError(
+            f"mixture_of_experts (MXFP4): expert_routing_table is {expert_routing_table.dtype}, "
+            "not int32"
+        )
+    if router_weights.dtype != hidden_states.dtype:
+        raise ValueError(
+            f"mixture_of_experts (MXFP4): router_weights {router_weights.dtype} vs hidden_states "
+            f"{hidden_states.dtype}"
+        )
+    num_local = experts_max - experts_min + 1
+    lists = {
+        "w12": w12,
+        "w3": w3,
+        "w12_bias": w12_bias,
+        "w3_bias": w3_bias,
+        "d_scale_w12": d_scale_w12,
+        "d_scale_w3": d_scale_w3,
+    }
+    for name, tensors in lists.items():
+        if len(tensors) != num_local:
+            raise ValueError(
+                f"mixture_of_experts (MXFP4): {len(tensors)} {name} for experts "
+                f"{experts_min}..{experts_max}"
+            )
+    hidden = hidden_states.shape[-1]
+    if w12[0].shape[-1] * 2 != hidden or hidden % MXFP4_BLOCK:
+        raise ValueError(
+            f"mixture_of_experts (MXFP4): w12 of shape {tuple(w12[0].shape)} for hidden size "
+            f"{hidden} (two values per byte, {MXFP4_BLOCK}-value blocks)"
+        )
+
+    def run(x: torch.Tensor, e: int) -> torch.Tensor:
+        up_w = dequantize_mxfp4(w12[e], d_scale_w12[e], torch.float32)
+        down_w = dequantize_mxfp4(w3[e], d_scale_w3[e], torch.float32)
+        gate_up = x.float() @ up_w.t() + w12_bias[e].float()
+        gate = gate_up[:, 0::2].clamp(max=limit)
+        up = gate_up[:, 1::2].clamp(-limit, limit)
+        h = (up + 1) * gate * torch.sigmoid(alpha * gate)
+        return h @ down_w.t() + w3_bias[e].float()
+
+    return _routed(
+        hidden_states,
+        expert_routing_table,
+        router_weights,
+        experts_min,
+        num_local,
+        run,
+        expert_dtype=torch.float32,
     )

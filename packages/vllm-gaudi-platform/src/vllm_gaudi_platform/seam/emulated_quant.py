@@ -43,6 +43,35 @@ def convert_from_uint4(
     return w.to(out_dtype)
 
 
+# ----------------------------------------------------------------------------- MXFP4 (OCP MX)
+MXFP4_BLOCK = 32  # values per E8M0 scale
+# E2M1 magnitudes by the low three bits of a nibble; bit 3 is the sign.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """MXFP4 weights [rows, in] in `out_dtype` from `blocks` uint8 [rows, in / 2] (two E2M1
+    values per byte, element 2j in the low nibble) and `scales` uint8 [rows, in / 32] (E8M0:
+    2 ** (s - 127) for every 32 consecutive values along `in`; 255 is NaN)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4: blocks {blocks.dtype} and scales {scales.dtype}, not uint8")
+    rows, half = blocks.shape
+    if tuple(scales.shape) != (rows, 2 * half // MXFP4_BLOCK) or (2 * half) % MXFP4_BLOCK:
+        raise ValueError(
+            f"MXFP4: scales of shape {tuple(scales.shape)} for blocks {tuple(blocks.shape)}; "
+            f"expected [{rows}, {2 * half // MXFP4_BLOCK}] (one per {MXFP4_BLOCK} values)"
+        )
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=blocks.device)
+    table = torch.cat((table, -table))
+    nibbles = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()
+    values = table[nibbles].reshape(rows, -1, MXFP4_BLOCK)
+    exponent = scales.float() - 127.0
+    factor = torch.where(scales == 255, torch.nan, torch.exp2(exponent))
+    return (values * factor.unsqueeze(-1)).reshape(rows, -1).to(out_dtype)
+
+
 # ----------------------------------------------------------------------------- quantization kernels
 # FP8 casts and GEMM with the semantics of Gaudi's torch.ops.hpu.cast_to_fp8_v2 / cast_from_fp8 /
 # fp8_gemm_v2. Scales are MULTIPLIERS: cast_to_fp8_v2 takes 1/scale, the others take the

@@ -20,6 +20,7 @@ from habana_frameworks.torch.hpex.kernels import FusedSDPA, RotaryPosEmbeddingMo
 from habana_frameworks.torch.hpex.kernels import apply_rotary_pos_emb as _hpu_rotary_pos_emb
 from habana_frameworks.torch.hpex.normalization import FusedRMSNorm
 
+from vllm_gaudi_platform.envs import lazy_mode
 from vllm_gaudi_platform.seam import latent_attention, paged_attention
 from vllm_gaudi_platform.seam.plain_attention import attention_with_sinks
 
@@ -317,6 +318,75 @@ def mixture_of_experts_fp8(
         experts_max=experts_max,
         **intermediate,
     )
+
+
+def mixture_of_experts_mxfp4(
+    hidden_states: torch.Tensor,
+    expert_routing_table: torch.Tensor,
+    router_weights: torch.Tensor,
+    w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w12_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    w3_bias: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w12: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    d_scale_w3: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    experts_min: int,
+    experts_max: int,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    args = (
+        hidden_states,
+        # Intel: the MXFP4 overloads take an int32 routing table.
+        expert_routing_table.to(torch.int32),
+        router_weights.to(hidden_states.dtype),
+        list(w12),
+        list(w3),
+        list(w12_bias),
+        list(w3_bias),
+        list(d_scale_w12),
+        list(d_scale_w3),
+    )
+    flags: dict[str, Any] = {
+        "experts_min": experts_min,
+        "experts_max": experts_max,
+        "alpha": alpha,
+        "limit": limit,
+    }
+    if _eager_frontend():
+        # The MXFP4 overloads are blocklisted in the eager frontend (Intel: "frontend_blocklist:
+        # [eager]"): outside lazy mode and outside a compiled graph, a graph of their own.
+        return _compiled_mxfp4_moe()(*args, **flags)
+    return _mxfp4_moe(*args, **flags)
+
+
+def _mxfp4_moe(*args: Any, experts_min: int, experts_max: int, alpha: float, limit: float):
+    # Intel's call: 32-value blocks, [out, in] ("permuted") weights, FP4 (not FP8) elements.
+    return torch.ops.hpu.mixture_of_experts.bias_mxfp4_fused_weights(
+        *args,
+        block_size=32,
+        permuted_weights=True,
+        experts_min=experts_min,
+        experts_max=experts_max,
+        is_fp4=True,
+        chunk_size=0,
+        total_experts=0,
+        alpha=alpha,
+        limit=limit,
+    )
+
+
+def _eager_frontend() -> bool:
+    return not lazy_mode() and not torch.compiler.is_compiling()
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled_mxfp4_moe() -> Callable[..., Any]:
+    if "mxfp4" not in _COMPILED:
+        _COMPILED["mxfp4"] = torch.compile(_mxfp4_moe, backend=COMPILE_BACKEND, dynamic=False)
+    return _COMPILED["mxfp4"]
 
 
 # ----------------------------------------------------------------------------- KV block copies
