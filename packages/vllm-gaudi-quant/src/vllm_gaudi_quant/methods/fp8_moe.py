@@ -70,6 +70,18 @@ def route_topk(
     return weights, ids
 
 
+def route_to_local_experts(
+    layer: Any, x: torch.Tensor, router_logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_topk`'s (router weights float32 [T, k], expert ids), the ids handed to vLLM's
+    routing sink (global numbers) and returned as this rank's expert numbers (int64; other
+    ranks' experts as `layer.local_num_experts`): the routing every HPU quantized MoE method
+    starts with."""
+    weights, ids = route_topk(layer, x, router_logits)
+    capture_routed_experts(layer, ids)
+    return weights, local_expert_ids(ids, layer.expert_map, layer.local_num_experts)
+
+
 class HpuFp8MoEMethod(FusedMoEMethodBase):
     """FP8 experts: W8A8 on the FP8 kernel with per-row weight scales, W8A16 with block scales
     (see the module docstring).
@@ -233,8 +245,7 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        weights, ids = route_topk(layer, x, router_logits)
-        capture_routed_experts(layer, ids)
+        weights, ids = route_to_local_experts(layer, x, router_logits)
         dtype = x.dtype
         if layer.apply_router_weight_on_input:
             # Llama 4 (top-1): the router weight scales the input (before it is quantized), not
@@ -242,7 +253,6 @@ class HpuFp8MoEMethod(FusedMoEMethodBase):
             x = x * weights.to(dtype)
             weights = torch.ones_like(weights)
         num_local = layer.local_num_experts
-        ids = local_expert_ids(ids, layer.expert_map, num_local)
         if self._gather_max_tokens is None:
             self._resolve_gather(layer)
         assert self._gather_max_tokens is not None

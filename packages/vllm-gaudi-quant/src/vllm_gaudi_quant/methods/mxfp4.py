@@ -24,13 +24,11 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform.runner.routed_experts import (
     GATHER_COST_AS_STORED,
-    capture_routed_experts,
     gather_max_tokens,
-    local_expert_ids,
     select_experts,
 )
 from vllm_gaudi_platform.seam import backend
-from vllm_gaudi_quant.methods.fp8_moe import route_topk
+from vllm_gaudi_quant.methods.fp8_moe import route_to_local_experts
 
 NAME = "gpt_oss_mxfp4"
 BLOCK = 32  # values per E8M0 scale
@@ -133,10 +131,8 @@ class HpuMxfp4MoEMethod(FusedMoEMethodBase):
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        weights, ids = route_topk(layer, x, router_logits)
-        capture_routed_experts(layer, ids)
+        weights, ids = route_to_local_experts(layer, x, router_logits)
         num_local = layer.local_num_experts
-        ids = local_expert_ids(ids, layer.expert_map, num_local)
         if self._gather_max_tokens is None:
             self.process_weights_after_loading(layer)
         assert self._gather_max_tokens is not None

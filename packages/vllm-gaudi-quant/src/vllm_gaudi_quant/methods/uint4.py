@@ -32,10 +32,8 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm_gaudi_platform import seam
 from vllm_gaudi_platform.runner.routed_experts import (
     ExpertSelection,
-    capture_routed_experts,
     dequantized_gather_cost,
     gather_max_tokens,
-    local_expert_ids,
     select_experts,
 )
 
@@ -281,12 +279,10 @@ class Uint4MoEMethod(FusedMoEMethodBase):
         router_logits: torch.Tensor,
         input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        from vllm_gaudi_quant.methods.fp8 import route_topk
+        from vllm_gaudi_quant.methods.fp8_moe import route_to_local_experts
 
-        weights, ids = route_topk(layer, x, router_logits)
-        capture_routed_experts(layer, ids)
+        weights, ids = route_to_local_experts(layer, x, router_logits)
         num_local = layer.local_num_experts
-        ids = local_expert_ids(ids, layer.expert_map, num_local)
         weights = weights.to(x.dtype)
         if layer.apply_router_weight_on_input:
             # Llama 4 (top-1): the router weight scales the input, not the expert output.
