@@ -4,8 +4,9 @@ worker copies blocks between the HPU KV cache and host buffers.
 vLLM 0.32's CPU spec (`CPUOffloadingSpec`) keeps its scheduler half (the host-chunk manager,
 eviction policy, metrics) platform-free, but its worker refuses any platform other than CUDA and
 XPU and copies with a CUDA kernel on raw pointers. `HpuCPUOffloadingSpec` keeps the former and
-brings its own worker, `HpuOffloadingWorker`, which copies with torch indexing ops: the same code
-on a Gaudi (HPU tensors) and in the emulation (CPU tensors).
+brings its own worker, `HpuOffloadingWorker`, which copies through the seam's `copy_blocks` (the
+block copy NIXL's host staging uses): on a Gaudi a gather on the device, one transfer and a
+scatter; in the emulation one copy per block, straight into place.
 
 How vLLM hands the caches over (`CanonicalKVCaches`): one int8 tensor per layer-compact KV cache,
 [num_blocks, page bytes] (the HPU cache is [blocks, block_size, kv_heads, 2 * head_size] per layer,
@@ -37,6 +38,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+from vllm_gaudi_platform.seam import backend
 
 logger = init_logger(__name__)
 
@@ -85,21 +88,21 @@ class HpuOffloadingWorker(OffloadingWorker):
         start = time.perf_counter()
         chunks = np.asarray(host_spec.block_ids, dtype=np.int64)
         moved = 0
+        kernels = backend()
         for group, blocks, host_chunks, slots in self._pairs(device_spec, chunks):
-            chunk_index = torch.from_numpy(host_chunks)
-            slot_index = torch.from_numpy(slots.astype(np.int64))
+            # Host pages by row of the [chunks * blocks_per_chunk, page] view.
+            rows = torch.from_numpy(host_chunks * self.blocks_per_chunk + slots)
+            index = torch.from_numpy(blocks.astype(np.int64))
             for ref in self.refs[group]:
                 size = ref.page_size_bytes
-                device = self.device[ref.tensor_idx]
+                device = self.device[ref.tensor_idx][:, :size]
                 host = self.host[ref.tensor_idx]
-                index = torch.from_numpy(blocks.astype(np.int64)).to(device.device)
+                host = host.view(-1, host.shape[-1])[:, :size]
                 if store:
-                    pages = device.index_select(0, index)[:, :size].to("cpu")
-                    host[chunk_index, slot_index, :size] = pages
+                    kernels.copy_blocks(device, host, index, rows)
                 else:
-                    pages = host[chunk_index, slot_index, :size].to(device.device)
-                    device[:, :size].index_copy_(0, index, pages)
-                moved += len(blocks) * size
+                    kernels.copy_blocks(host, device, rows, index)
+                moved += len(blocks) * ref.page_size_bytes
         self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
         return True
 
