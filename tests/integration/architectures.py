@@ -1,9 +1,9 @@
 """The architectures the HPU engine tests cover, each as ONE engine run shared by every test that
 needs it: the architecture's own test (vs transformers) and the cross-check with vLLM's CPU
-backend (test_cpu_backend.py) read the same HPU outputs, whichever runs first starts the engine.
+backend (test_cpu_backend.py) read the same HPU outputs, whichever asks first starts the runs.
 
-vLLM's CPU backend runs all of them one after another in a single process (`cpu_runs`), so the
-cross-check costs one process start plus one engine per architecture, with no extra HPU engine.
+Both sides run all architectures one after another in a single process each (`hpu_run`,
+`cpu_runs`): one process start per side plus one engine per architecture.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from tests.integration.generation import (
     ENGINE,
     make_prompts,
     named_job_outputs,
-    run_engine,
     run_job,
 )
 from vllm_gaudi_platform.testing import tinymodels
@@ -94,16 +93,26 @@ def prompts(name: str) -> list[list[int]]:
 
 
 def hpu_run(name: str) -> tuple[subprocess.CompletedProcess[str], dict | None]:
-    """(process, result) of the architecture's HPU engine run, started once per test session."""
+    """(process, result) of the architecture's HPU engine run. The first call runs every case,
+    one engine after another in ONE process (vLLM imported once, as `cpu_runs` does); later calls
+    read its results. A case that failed has None, and the process's stderr tells why."""
     if name not in _HPU_RUNS:
-        case = CASES[name]
-        _HPU_RUNS[name] = run_engine(
-            str(case.build()),
-            prompts(name),
-            emulate=True,
-            rounds=case.rounds,
-            engine=case.hpu_engine,
-        )
+        jobs = {
+            case_name: {
+                "model": str(case.build()),
+                "prompts": prompts(case_name),
+                "max_tokens": 12,
+                "engine": {**ENGINE, **case.hpu_engine},
+                "rounds": case.rounds,
+                "stats": True,
+            }
+            for case_name, case in CASES.items()
+        }
+        proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), emulate=True, timeout=300 * len(jobs))
+        results = named_job_outputs(proc)
+        for case_name in jobs:
+            result = results.get(case_name)
+            _HPU_RUNS[case_name] = (proc, None if result is None or "error" in result else result)
     return _HPU_RUNS[name]
 
 

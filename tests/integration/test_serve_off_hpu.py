@@ -35,7 +35,10 @@ def server(model, clean_env, tmp_path_factory) -> Iterator[tuple[str, Path]]:
     # No VLLM_* setting at all: vLLM picks its CPU platform, our plugins must stay out of the way.
     env = {k: v for k, v in clean_env().items() if not k.startswith("VLLM_")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    with openai_server.running(openai_server.engine_args(model, ENGINE), env, log) as base:
+    # Eager, as the other runs of vLLM's CPU backend here: its inductor compile is not what this
+    # test checks and costs more than the two completions.
+    args = [*openai_server.engine_args(model, ENGINE), "--enforce-eager"]
+    with openai_server.running(args, env, log) as base:
         yield base, log
 
 

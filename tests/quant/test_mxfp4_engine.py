@@ -1,10 +1,11 @@
 """gpt-oss in MXFP4 end to end: a tiny gpt-oss whose experts the test packer wrote in gpt-oss's
 MXFP4 checkpoint format (blocks, E8M0 scales, bf16 everything else) is claimed by
 `hpu_quant_mxfp4` and runs every MoE layer on `HpuMxfp4MoEMethod`, in CPU emulation and on
-seam/gaudi.py over the Habana stand-in (HPU graphs), with no recompile after warmup. Its greedy
-tokens equal the HPU platform's on the bf16 checkpoint of the dequantized experts (the same
-engine with only the MoE method changed), and stay within vLLM's top-5 rule of what transformers
-generates from the MXFP4 checkpoint itself (read by its own MXFP4 dequantizer).
+seam/gaudi.py over the Habana stand-in (HPU graphs), with no recompile after warmup. In
+emulation its greedy tokens equal the HPU platform's on the bf16 checkpoint of the dequantized
+experts (the same engine with only the MoE method changed); gaudi.py's equal the emulation's;
+both stay within vLLM's top-5 rule of what transformers generates from the MXFP4 checkpoint
+itself (read by its own MXFP4 dequantizer).
 
 Why the transformers comparison bounds no count: vLLM's MXFP4 method takes bf16 activations
 only, and this random tiny model's logits are so near-tied that bf16 rounding alone moves
@@ -40,8 +41,9 @@ MAX_TOKENS = 12
 PROMPTS = make_prompts()[:6]  # up to 200 tokens: longer than a block and the 40-token window
 ENGINE = {**COMPILE_ENGINE, "dtype": "bfloat16"}
 LAYERS = 2
-# MXFP4 engine vs the same engine on the dequantized bf16 checkpoint: measured 0 of 6; one
-# near-tie allowed (the kernel sums in float32 where the bf16 MoE path rounds).
+# MXFP4 engine vs the same engine on the dequantized bf16 checkpoint, and gaudi.py vs the
+# emulation: measured 0 of 6; one near-tie allowed (the MXFP4 kernels sum in float32 where the
+# bf16 MoE path rounds).
 MAX_DIVERGED_FROM_DEQUANTIZED = 1
 
 
@@ -73,10 +75,10 @@ def reference(checkpoints) -> list[dict]:
         ]
 
 
-def _run(checkpoints: tuple[Path, Path], env: dict | None) -> dict:
-    """The MXFP4 engine's result, with the dequantized checkpoint's as `dequantized`."""
+def _run(checkpoints: dict[str, Path], env: dict | None) -> dict:
+    """The first checkpoint's engine result, with the others' under their names."""
     job = {
-        "checkpoints": {"mxfp4": str(checkpoints[0]), "dequantized": str(checkpoints[1])},
+        "checkpoints": {name: str(path) for name, path in checkpoints.items()},
         "prompts": PROMPTS,
         "max_tokens": MAX_TOKENS,
         "engine": ENGINE,
@@ -88,12 +90,14 @@ def _run(checkpoints: tuple[Path, Path], env: dict | None) -> dict:
         result = results.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
         if "error" in result:
             pytest.fail(f"the {name} engine failed:\n{result['error'][-6000:]}")
-    return {**results["mxfp4"], "dequantized": results["dequantized"]}
+    first, *others = job["checkpoints"]
+    return {**results[first], **{name: results[name] for name in others}}
 
 
 @pytest.fixture(scope="module")
 def emulated_run(checkpoints) -> dict:
-    return _run(checkpoints, None)
+    """The MXFP4 engine in emulation, and the same engine on the dequantized checkpoint."""
+    return _run({"mxfp4": checkpoints[0], "dequantized": checkpoints[1]}, None)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +108,7 @@ def gaudi_py_run(checkpoints) -> dict:
         **STANDIN_ENGINE_ENV,
         "PYTHONPATH": os.pathsep.join([str(STANDIN_ENGINE_ENV["PYTHONPATH"]), str(REPO)]),
     }
-    return _run(checkpoints, env)
+    return _run({"mxfp4": checkpoints[0]}, env)
 
 
 @pytest.fixture(params=["emulated", "gaudi.py"])
@@ -126,10 +130,19 @@ def test_each_backend_runs_its_own_seam(emulated_run, gaudi_py_run):
     assert gaudi_py_run["seam"] == "gaudi"
 
 
-def test_greedy_tokens_equal_the_engine_on_the_dequantized_checkpoint(run):
-    assert set(run["dequantized"]["experts"].values()) != {"HpuMxfp4MoEMethod"}
-    label = f"gpt-oss MXFP4 vs dequantized on {run['seam']}"
-    diverged = assert_close(run["results"], run["dequantized"]["results"], label)
+def test_greedy_tokens_equal_the_engine_on_the_dequantized_checkpoint(emulated_run):
+    dequantized = emulated_run["dequantized"]
+    assert set(dequantized["experts"].values()) != {"HpuMxfp4MoEMethod"}
+    label = "gpt-oss MXFP4 vs dequantized, emulated"
+    diverged = assert_close(emulated_run["results"], dequantized["results"], label)
+    print(f"{label}: {diverged} of {len(PROMPTS)} prompts diverged")
+    assert diverged <= MAX_DIVERGED_FROM_DEQUANTIZED
+
+
+def test_gaudi_py_generates_what_the_emulation_generates(emulated_run, gaudi_py_run):
+    # The stand-in's MXFP4 kernel and the emulation's compute the same sums in float32.
+    label = "gpt-oss MXFP4 on gaudi.py vs the emulation"
+    diverged = assert_close(gaudi_py_run["results"], emulated_run["results"], label)
     print(f"{label}: {diverged} of {len(PROMPTS)} prompts diverged")
     assert diverged <= MAX_DIVERGED_FROM_DEQUANTIZED
 
