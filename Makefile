@@ -21,8 +21,12 @@ demo: setup ## main job: offline generation on the HPU platform (CPU emulation o
 doctor: setup ## what is installed, what will load, and why
 	VLLM_HPU_EMULATION=$${VLLM_HPU_EMULATION-cpu} $(VENV)/bin/vllm-gaudi doctor
 
-test: setup ## the whole test suite
-	$(PY) -m pytest $(PYTEST_ARGS)
+# Two pytest-xdist workers by default (whole modules each, tests/conftest.py); TEST_WORKERS=0 runs
+# the suite in this process, e.g. `make test TEST_WORKERS=0 PYTEST_ARGS="tests/ops -x"`.
+TEST_WORKERS ?= 2
+
+test: setup ## the whole test suite (two workers)
+	$(PY) -m pytest -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup ## ruff lint + format check + type check (mypy, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .

@@ -252,3 +252,63 @@ def _skip_device_tests_without_gaudi(request: pytest.FixtureRequest) -> None:
     (over the stand-in off Gaudi)."""
     if request.node.get_closest_marker("gaudi_device") and not REAL_GAUDI_SOFTWARE:
         pytest.skip("measures a physical Intel Gaudi (memory, timing): no Gaudi here")
+
+
+# ----------------------------------------------------------------------------- two workers
+# `make test` runs the suite on two pytest-xdist workers. A worker gets whole groups (the
+# scheduler below): by default a module, so a module's engines (module-scoped fixtures) start
+# once; modules that read one cached run share a group, so that run happens on one worker only.
+# Groups that start engines go first, so a long one does not end up alone at the tail while the
+# other worker idles. Each worker's torch (and every engine it starts) uses one thread: two
+# workers on two cores beat one worker with two threads, as a tiny model's steps are mostly Python.
+SHARED_GROUPS = {
+    # architectures.hpu_run / cpu_runs: one process runs every architecture, once per worker
+    **dict.fromkeys(
+        (
+            "tests/integration/test_alibi.py",
+            "tests/integration/test_cpu_backend.py",
+            "tests/integration/test_fp16_checkpoint.py",
+            "tests/integration/test_generation.py",
+            "tests/integration/test_gpt_oss.py",
+            "tests/integration/test_sliding_window.py",
+        ),
+        "architectures",
+    ),
+    # the session's built wheels (tests/packaging/conftest.py: dist_dir, isolated_venv)
+    **dict.fromkeys(
+        (
+            "tests/packaging/test_house.py",
+            "tests/packaging/test_isolation.py",
+            "tests/packaging/test_wheels.py",
+        ),
+        "packaging",
+    ),
+}
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def worker_unit(nodeid: str) -> str:
+    """The unit one worker runs whole: the test's module, or the group it shares a run with."""
+    module = nodeid.split("::", 1)[0]
+    return SHARED_GROUPS.get(module, module)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    starts_engines = {worker_unit(i.nodeid) for i in items if i.get_closest_marker("engine")}
+    items[:] = sorted(items, key=lambda item: worker_unit(item.nodeid) not in starts_engines)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-by-scope scheduling with `worker_unit` as the scope (its own `loadgroup` marks
+    do not reach the node ids under pytest 9)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_unit(nodeid)
+
+    return GroupScheduling(config, log)
