@@ -53,7 +53,7 @@ def run_python_process(
     *,
     python: str = sys.executable,
     args: tuple[str, ...] = (),
-    timeout: float = 300,
+    timeout: float = 900,
 ) -> subprocess.CompletedProcess[str]:
     """Run `python <args> -c code` under `make_env(env)`; a failure is returned, not raised."""
     return subprocess.run(
@@ -88,7 +88,7 @@ def clean_env() -> Callable[..., dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """`run_python(code, env=None, *, python=..., args=(), timeout=300) -> CompletedProcess`."""
+    """`run_python(code, env=None, *, python=..., args=(), timeout=900) -> CompletedProcess`."""
     return run_python_process
 
 

@@ -134,7 +134,7 @@ def test_the_worker_round_trip_on_the_standin_hpu_device(run_python):
         pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
     env = standin_process_env(2)
     env["PYTHONPATH"] = os.pathsep.join([str(env["PYTHONPATH"]), str(REPO)])
-    result = job_result(run_python(ON_HPU_DEVICE, env=env, timeout=120), "stand-in worker job")
+    result = job_result(run_python(ON_HPU_DEVICE, env=env, timeout=900), "stand-in worker job")
     assert result == {"devices": ["hpu", "hpu"], "jobs": [1, 2], "restored": True}
 
 

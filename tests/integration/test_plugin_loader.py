@@ -124,7 +124,7 @@ def test_doctor_fails_and_says_hpu_is_missing_when_vllm_plugins_omits_it(console
         env=clean_env({**EMULATION, "VLLM_PLUGINS": "hpu_ops_norm"}),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=900,
         check=False,
     )
 

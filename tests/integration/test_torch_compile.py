@@ -133,7 +133,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "engine": COMPILE_ENGINE,
     }
     script = Path(__file__).with_name("compile_job.py")
-    proc = run_job(script, json.dumps(job), {"PT_HPU_LAZY_MODE": "0"}, timeout=180 * len(CASES))
+    proc = run_job(script, json.dumps(job), {"PT_HPU_LAZY_MODE": "0"}, timeout=300 * len(CASES))
     outputs = named_job_outputs(proc)
     return {
         name: outputs.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})

@@ -149,7 +149,7 @@ def test_doctor_passes_with_the_wheel_installed_alone(venv, console_script, clea
         env=clean_env(EMULATION),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=900,
         check=False,
     )
 

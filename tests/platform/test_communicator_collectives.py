@@ -48,7 +48,7 @@ def results() -> dict:
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout=300)
+            p.join(timeout=900)
         assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
         return dict(shared)
 

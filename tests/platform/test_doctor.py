@@ -306,7 +306,7 @@ def test_console_script_prints_json_and_exit_status_matches_ok(console_script, c
         env=clean_env({"VLLM_HPU_EMULATION": "cpu"}),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=900,
         check=False,
     )
 

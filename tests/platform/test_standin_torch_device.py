@@ -51,7 +51,7 @@ def device(run_python) -> dict:
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("checks the Habana stand-in, which does not load beside a real Gaudi stack")
     env = standin_process_env(2)
-    return job_result(run_python(DEVICE_JOB, env=env, timeout=120), "stand-in device job")
+    return job_result(run_python(DEVICE_JOB, env=env, timeout=900), "stand-in device job")
 
 
 def test_tensors_moved_or_created_on_hpu_stay_there_until_read_back(device):

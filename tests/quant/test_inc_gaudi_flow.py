@@ -171,7 +171,7 @@ def flow(request, run_python) -> dict:
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("runs over the Habana stand-in, which does not load beside a real Gaudi stack")
     env = standin_process_env(request.param, HABANA_STANDIN_TORCH_DEVICE="1")
-    return job_result(run_python(LAYERS_JOB, env=env, timeout=300), "INC HPU flow job")
+    return job_result(run_python(LAYERS_JOB, env=env, timeout=900), "INC HPU flow job")
 
 
 LAYERS = ("qkv", "o", "up", "col", "rep")

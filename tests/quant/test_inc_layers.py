@@ -91,7 +91,7 @@ with set_current_vllm_config(VllmConfig()):
 
 @pytest.fixture(scope="module")
 def layers_result(run_python, tmp_path_factory):
-    proc = run_python(LAYERS_JOB, env={"VLLM_HPU_EMULATION": "cpu"}, timeout=300)
+    proc = run_python(LAYERS_JOB, env={"VLLM_HPU_EMULATION": "cpu"}, timeout=900)
     return job_result(proc, "layer job")
 
 

@@ -48,7 +48,7 @@ def _run(run_python, tmp_path, env: dict[str, str]) -> dict:
     code = JOB.replace("__ROOT__", root).replace(
         "__TMP__", f"__import__('pathlib').Path({str(tmp_path)!r})"
     )
-    proc = run_python(code, env={"VLLM_HPU_EMULATION": "cpu", **env}, timeout=300)
+    proc = run_python(code, env={"VLLM_HPU_EMULATION": "cpu", **env}, timeout=900)
     return job_result(proc, "verification job")
 
 

@@ -129,7 +129,7 @@ def layers_result(run_python, job_backend):
 
     root = repr(str(Path(__file__).resolve().parents[2]))
     job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
-    proc = run_python(job, env=job_backend.env, timeout=300)
+    proc = run_python(job, env=job_backend.env, timeout=900)
     return job_result(proc, f"layer job ({job_backend.name})")
 
 

@@ -323,7 +323,7 @@ def moe_result(run_python, job_backend):
     over the Habana stand-in off Gaudi)."""
     root = repr(str(Path(__file__).resolve().parents[2]))
     job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))
-    proc = run_python(job, env=job_backend.env, timeout=300)
+    proc = run_python(job, env=job_backend.env, timeout=900)
     return job_result(proc, f"MoE layer job ({job_backend.name})")
 
 
