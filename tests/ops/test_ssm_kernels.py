@@ -190,3 +190,47 @@ def test_causal_conv_without_activation_or_bias_is_the_plain_convolution():
     # torch's conv1d is a cross-correlation: left padding W-1 makes it causal
     want = F.conv1d(x.transpose(1, 2), weight[:, None], padding=WIDTH - 1, groups=CONV_DIM)
     torch.testing.assert_close(out, want[..., :8].transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_the_scan_uses_the_conventions_of_transformers_mamba2():
+    """The same numbers as transformers' own torch Mamba2 scan (the fallback its Granite 4.0-H
+    runs without the CUDA kernels): head-to-group mapping, [H, P, N] state, D and dt_bias."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+        mamba2_chunk_scan,
+        mamba2_selective_state_update,
+    )
+
+    gen = torch.Generator().manual_seed(6)
+    params = {k: v.float() for k, v in _params(gen).items()}
+    inputs = {k: v.float() for k, v in _inputs(gen, 2, 16).items()}
+    initial = torch.randn(2, HEADS, HEAD_DIM, STATE, generator=gen)
+    ours_y, ours_state = ssm.ssd_chunk_scan(
+        **inputs, **params, initial_state=initial, lengths=torch.tensor([16, 16]), chunk_size=8
+    )
+    theirs_y, theirs_state = mamba2_chunk_scan(
+        inputs["x"], inputs["dt"], params["A"], inputs["B"], inputs["C"], 8,
+        D=params["D"], dt_bias=params["dt_bias"], initial_states=initial, dt_softplus=True,
+        return_final_states=True,
+    )  # fmt: skip
+    torch.testing.assert_close(ours_y, theirs_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours_state, theirs_state, atol=1e-4, rtol=1e-4)
+
+    token = {k: v[:, 0] for k, v in inputs.items()}
+    ours_y, ours_next = ssm.selective_state_update(
+        initial, token["x"], token["dt"], **params, B=token["B"], C=token["C"]
+    )
+    theirs = initial.clone()  # updated in place
+    per_channel = HEAD_DIM  # transformers takes dt, dt_bias and D per channel, A per (P, N)
+    theirs_y = mamba2_selective_state_update(
+        theirs,
+        token["x"],
+        token["dt"][..., None].expand(-1, -1, per_channel),
+        params["A"][:, None, None].expand(-1, per_channel, STATE),
+        token["B"],
+        token["C"],
+        D=params["D"][:, None].expand(-1, per_channel),
+        dt_bias=params["dt_bias"][:, None].expand(-1, per_channel),
+        dt_softplus=True,
+    )
+    torch.testing.assert_close(ours_y, theirs_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_next, theirs, atol=1e-5, rtol=1e-5)
