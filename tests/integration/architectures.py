@@ -79,6 +79,8 @@ CASES: dict[str, Case] = {
     "bloom": Case(lambda: tinymodels.build("bloom")),  # ALiBi
     # attention sinks, window 40 on layer 0, biased swigluoai experts
     "gpt-oss": Case(lambda: tinymodels.build("gpt-oss")),
+    # Granite 4.0-H's shape: Mamba2 layers around an attention layer (test_hybrid.py)
+    "granitemoehybrid": Case(lambda: tinymodels.build("granitemoehybrid")),
 }
 # Not cross-checked: the tiny DeepSeek-V2 (MLA, test_mla.py). vLLM 0.32's CPU backend runs it but
 # its greedy tokens differ from transformers' on all 10 prompts (the one-token prompt from its

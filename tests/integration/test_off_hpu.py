@@ -95,6 +95,7 @@ def test_every_general_plugin_loads_and_registers_nothing(report):
         "hpu_ops_activation",
         "hpu_ops_moe",
         "hpu_ops_encoder_attention",
+        "hpu_ops_mamba",
         "hpu_quant_inc",
         "hpu_quant_fp8",
         "hpu_quant_awq",

@@ -74,6 +74,15 @@ class HPUAttentionMetadata:
     prefill_k_pos: torch.Tensor | None = None  # [rows, ctx_bucket*bs + q_bucket]
     decode_block_start: torch.Tensor | None = None  # [num_blocks_bucket] first slot's position
     decode_query_pos: torch.Tensor | None = None  # [num_blocks_bucket] position being decoded
+    # State-space layers (Mamba2, `state_fields`): per prefill row and per decode cell, the
+    # request's state slot (0, the null block, for padding), its new tokens (0 for padding) and
+    # whether it continues from a stored state (1.0) or starts from zeros (0.0). None for
+    # attention layers.
+    state_slots_prefill: torch.Tensor | None = None  # [rows]
+    state_lens_prefill: torch.Tensor | None = None  # [rows]
+    state_initial_prefill: torch.Tensor | None = None  # [rows] float32
+    state_slots_decode: torch.Tensor | None = None  # [batch_bucket]
+    state_initial_decode: torch.Tensor | None = None  # [batch_bucket] float32
     # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
     # decode pass's own metadata, each laid out over its own tokens only.
     parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
@@ -246,6 +255,9 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
     # No batch reordering: the step layout takes each part's requests wherever they sit in the
     # batch (step_layout.plan_step), so vLLM's decodes-first sort would only cost host time.
     reorder_batch_threshold: int | None = None
+    # Whether a step the runner did not plan (profiling, dummy runs) may pack several prompts
+    # into one prefill row.
+    pack_prefills = True
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -265,7 +277,6 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
         num_reqs = cm.num_reqs
         query_lens = np.diff(cm.query_start_loc_cpu[: num_reqs + 1].numpy()).tolist()
         seq_lens = _seq_lens_cpu(cm, num_reqs)
-        block_table = cm.block_table_tensor[:num_reqs].cpu()
         layout = step_layout.current()
         if layout is None or layout.query_lens != tuple(query_lens):
             # Not planned by the HPU runner (a profiling or dummy run): use the exact shape.
@@ -274,16 +285,28 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
                 seq_lens=seq_lens,
                 block_size=self.block_size,
                 plan=None,
+                pack=self.pack_prefills,
             )
         return build_metadata(
             layout=layout,
             seq_lens=seq_lens,
-            block_table=block_table,
+            block_table=self.block_table(cm, layout, seq_lens),
             slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
             block_size=self.block_size,
             device=self.device,
             image_spans=(cm.mm_req_doc_ranges or {}) if self.mm_prefix else None,
+            state_slots=self.state_slots(cm),
         )
+
+    def block_table(
+        self, cm: CommonAttentionMetadata, layout: step_layout.StepLayout, seq_lens: list[int]
+    ) -> torch.Tensor:
+        """The block ids the step's paged attention reads, per request (host tensor)."""
+        return cm.block_table_tensor[: cm.num_reqs].cpu()
+
+    def state_slots(self, cm: CommonAttentionMetadata) -> list[int] | None:
+        """Each request's state slot, for state-space layers (None: attention layers)."""
+        return None
 
 
 def _seq_lens_cpu(cm: CommonAttentionMetadata, num_reqs: int) -> list[int]:
@@ -304,11 +327,13 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     image_spans: dict[int, list[tuple[int, int]]] | None = None,
+    state_slots: list[int] | None = None,
 ) -> HPUAttentionMetadata:
     """Turn a planned step layout into the index tensors the attention kernels consume.
 
     `image_spans` (mm prefix LMs only, else None): request index -> inclusive (first, last)
-    positions of its images' tokens, which attend each other both ways.
+    positions of its images' tokens, which attend each other both ways. `state_slots` (state-
+    space layers only, else None): request index -> its state slot; fills the `state_*` fields.
 
     All index arithmetic is vectorized in numpy (one pass per part, no per-sequence tensor ops):
     it runs every step, on the host, before the forward pass.
@@ -440,6 +465,8 @@ def build_metadata(
         md.identity_layout = bool((cell_to_token == np.arange(total)).all())
         md.cell_to_token = torch.from_numpy(cell_to_token).to(device)
         md.token_to_cell = torch.from_numpy(token_to_cell).to(device)
+    if state_slots is not None:
+        state_fields(md, np.asarray(state_slots, dtype=np.int64), query_lens, ctx_lens, device)
     if layout.parts is not None:
         split = layout.parts
         parts = []
@@ -458,6 +485,7 @@ def build_metadata(
                     image_spans=None
                     if image_spans is None
                     else {i: image_spans[r] for i, r in enumerate(requests) if r in image_spans},
+                    state_slots=None if state_slots is None else [state_slots[r] for r in requests],
                 )
             )
         md.parts = (parts[0], parts[1])
@@ -493,3 +521,42 @@ def _offsets_within_rows(sizes: np.ndarray, row_of: np.ndarray) -> np.ndarray:
     first = np.r_[True, row_of[1:] != row_of[:-1]]
     row_start = np.maximum.accumulate(np.where(first, starts, 0))
     return starts - row_start
+
+
+def state_fields(
+    md: HPUAttentionMetadata,
+    slots: np.ndarray,
+    query_lens: np.ndarray,
+    ctx_lens: np.ndarray,
+    device: torch.device,
+) -> None:
+    """Fill the `state_*` fields of `md`: a state-space layer scans each prefill row as one
+    sequence, so a row packed with several requests has no state slot to name (the runner does
+    not pack prefills of models with such layers: `BucketPlan.pack_prefills`)."""
+    layout = md.layout
+    prefill, decode = layout.prefill, layout.decode
+    if prefill is not None:
+        if md.prefill_packed:
+            raise ValueError(
+                "a prefill row holds several requests, and a Mamba layer scans each row as one "
+                "sequence: plan this model's steps with BucketPlan.pack_prefills=False"
+            )
+        members = np.array([row[0] for row in prefill.row_members], dtype=np.int64)
+        rows = prefill.rows
+        slot = np.zeros(rows, dtype=np.int64)
+        lens = np.zeros(rows, dtype=np.int64)
+        initial = np.zeros(rows, dtype=np.float32)
+        n = len(members)
+        slot[:n], lens[:n] = slots[members], query_lens[members]
+        initial[:n] = ctx_lens[members] > 0
+        md.state_slots_prefill = torch.from_numpy(slot).to(device)
+        md.state_lens_prefill = torch.from_numpy(lens).to(device)
+        md.state_initial_prefill = torch.from_numpy(initial).to(device)
+    if decode is not None:
+        members = np.asarray(decode.members, dtype=np.int64)
+        slot = np.zeros(decode.batch_bucket, dtype=np.int64)
+        initial = np.zeros(decode.batch_bucket, dtype=np.float32)
+        slot[: len(members)] = slots[members]
+        initial[: len(members)] = ctx_lens[members] > 0  # a one-token prompt starts from zeros
+        md.state_slots_decode = torch.from_numpy(slot).to(device)
+        md.state_initial_decode = torch.from_numpy(initial).to(device)

@@ -124,6 +124,7 @@ def plan_prefill(
     ctx_lens: list[int],
     block_size: int,
     plan: BucketPlan | None,
+    pack: bool = True,
 ) -> PrefillPart:
     n = len(members)
     max_q = max(query_lens[i] for i in members)
@@ -133,6 +134,10 @@ def plan_prefill(
         if b is not None:
             rows = tuple((i,) for i in members)
             return PrefillPart(b.batch_size, b.query_len, b.ctx_blocks, rows, b, True)
+    if not pack:
+        # One request per row even where no bucket has that many rows: the exact shape.
+        exact = Bucket("prompt", n, max_q, max_ctx)
+        return PrefillPart(n, max_q, max_ctx, tuple((i,) for i in members), exact, False)
     total_q = sum(query_lens[i] for i in members)
     total_ctx = sum(_blocks(ctx_lens[i], block_size) for i in members)
     packed = (tuple(members),)
@@ -163,13 +168,18 @@ def plan_step(
     seq_lens: list[int],
     block_size: int,
     plan: BucketPlan | None,
+    pack: bool | None = None,
 ) -> StepLayout:
-    """Lay out a step. `seq_lens` count context plus this step's tokens, per request."""
+    """Lay out a step. `seq_lens` count context plus this step's tokens, per request. `pack`:
+    whether prompts that fit no bucket row by row may share one row (default: the plan's
+    `pack_prefills`, True without a plan)."""
+    if pack is None:
+        pack = plan is None or plan.pack_prefills
     ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
     prefill_members = [i for i, q in enumerate(query_lens) if q > 1]
     decode_members = [i for i, q in enumerate(query_lens) if q == 1]
     prefill = (
-        plan_prefill(prefill_members, list(query_lens), ctx_lens, block_size, plan)
+        plan_prefill(prefill_members, list(query_lens), ctx_lens, block_size, plan, pack)
         if prefill_members
         else None
     )

@@ -73,6 +73,9 @@ class BucketPlan:
     # block. None: padded tokens first, then context (prompt); batch first (decode). In a full
     # grid both pick the same bucket; a fitted set is no grid, so it needs a price per dimension.
     prices: tuple[float, float, float, float] | None = None
+    # Whether prompts that fit no bucket row by row may share one row (packed prefill). Off for
+    # models with state-space layers, which scan each row as one sequence.
+    pack_prefills: bool = True
 
     def __post_init__(self) -> None:
         # Kept cheapest first so that a lookup is the first bucket that fits.

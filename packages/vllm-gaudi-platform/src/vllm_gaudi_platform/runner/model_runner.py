@@ -14,6 +14,8 @@ agreement and the HPU graph replay. Beside it in `runner/`:
 - `mixed_steps.py`: a mixed prefill + decode step run as two forward passes;
 - `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
 - `hpu_graphs.py`, `data_parallel.py`, `spec_decode.py`, `lora.py`: the per-step helpers.
+- `hybrid.py`: what changes for a model with Mamba state layers; `rng.py`: seeded sampling's
+  rewindable generators.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vllm_gaudi_platform.runner import (
     compiled,
     data_parallel,
     hpu_graphs,
+    hybrid,
     mixed_steps,
     spec_decode,
     vision,
@@ -51,29 +54,11 @@ from vllm_gaudi_platform.runner import (
 from vllm_gaudi_platform.runner import lora as hpu_lora
 from vllm_gaudi_platform.runner.compiled import compile_wanted
 from vllm_gaudi_platform.runner.recompiles import RecompileTracker
+from vllm_gaudi_platform.runner.rng import RewindableGenerator
 from vllm_gaudi_platform.runner.streams import cuda_streams_on_seam
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
-
-
-class RewindableGenerator(torch.Generator):
-    """A CPU generator that vLLM can rewind by one step: `set_offset` (CUDA's Philox offset,
-    which vLLM moves back by the draws of a discarded sample) restores the state the runner
-    saved before the step's sampling; `get_offset` only feeds that arithmetic."""
-
-    def __new__(cls, source: torch.Generator) -> RewindableGenerator:
-        return super().__new__(cls, device="cpu")  # type: ignore[call-arg]
-
-    def __init__(self, source: torch.Generator) -> None:  # the device is set by __new__
-        self.set_state(source.get_state())
-        self.snapshot = self.get_state()
-
-    def get_offset(self) -> int:  # type: ignore[override]
-        return 0
-
-    def set_offset(self, offset: int) -> None:  # type: ignore[override]
-        self.set_state(self.snapshot)
 
 
 class HPUModelRunner(GPUModelRunner):
@@ -117,6 +102,7 @@ class HPUModelRunner(GPUModelRunner):
                 max_prefill_batch=prefill_batch_max(),
             )
         self.warmup_seconds: float | None = None
+        self.has_state_layers = False  # Mamba layers (set with the KV cache: hybrid.py)
         self._planning = False
         # EAGLE-style drafters: their forward passes on the plan's buckets (spec_decode.py).
         self.draft_bucketing: spec_decode.DraftBucketing | None = None
@@ -193,19 +179,25 @@ class HPUModelRunner(GPUModelRunner):
         # The plan's block arithmetic must use the block size and count the KV cache really has.
         # self.kv_cache_config: vLLM's runner adds a group for encoder-only layers there (a
         # BERT-style model has no other group).
-        self.block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.block_size = hybrid.attention_block_size(self.kv_cache_config.kv_cache_groups)
         if self.trace_recorder is not None:
             self.trace_recorder.block_size = self.block_size
         sched = self.scheduler_config
-        self.bucket_plan = step_layout.with_packed_context(
-            plan_from_env(
-                max_num_seqs=sched.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                block_size=self.block_size,
-                num_kv_blocks=kv_cache_config.num_blocks,
-            ),
-            packed_rows=(self.max_num_batched_tokens, self.max_model_len),
+        self.has_state_layers = hybrid.has_state_layers(self)
+        plan = plan_from_env(
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_kv_blocks=kv_cache_config.num_blocks,
+            environ=hybrid.plan_environ(self.has_state_layers, sched.max_num_seqs),
+        )
+        self.bucket_plan = (
+            hybrid.plan_without_packing(plan)
+            if self.has_state_layers
+            else step_layout.with_packed_context(
+                plan, packed_rows=(self.max_num_batched_tokens, self.max_model_len)
+            )
         )
         # Speculative decoding: verification steps (1 + k tokens per sequence) get their buckets.
         self.bucket_plan = spec_decode.with_verify_buckets(
@@ -549,7 +541,7 @@ class HPUModelRunner(GPUModelRunner):
         group's step metadata is written into its own buffers."""
         static: dict[str, HPUAttentionMetadata] = {}
         for group in self.kv_cache_config.kv_cache_groups:
-            group_md = hpu_graphs.static_metadata(metadata)
+            group_md = hpu_graphs.static_metadata(hybrid.for_group(metadata, group))
             static.update(dict.fromkeys(group.layer_names, group_md))
         return static
 

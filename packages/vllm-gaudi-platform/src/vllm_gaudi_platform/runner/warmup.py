@@ -95,7 +95,8 @@ def warmup_model(runner: Any) -> None:
     runs += [
         (b, True)
         for b in plan.prompt
-        if runner.graphs.needs_packed_variant(b) or step_layout.packed_only(b, longest)
+        if plan.pack_prefills
+        and (runner.graphs.needs_packed_variant(b) or step_layout.packed_only(b, longest))
     ]
     num_blocks = runner.cache_config.num_gpu_blocks or 0
     total = len(runs)
@@ -171,6 +172,9 @@ def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = F
         device=runner.device,
         # An mm prefix LM's graphs take the image-span branch on every prefill step.
         image_spans={} if runner.is_mm_prefix_lm else None,
+        # State-space layers: every warmup sequence reads and writes state slot 0 (the null
+        # block) likewise.
+        state_slots=[0] * n if runner.has_state_layers else None,
     )
     runner._forward_with_metadata(metadata, total, n)
     if runner.draft_bucketing is not None:

@@ -180,6 +180,28 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             },
         },
     ),
+    # Granite 4.0-H's shape (GraniteMoeHybrid): Mamba2 layers around one attention layer, MoE
+    # feed-forward blocks with a shared expert, no rotary embedding. One group of B/C projections:
+    # with more, transformers' gated norm and vLLM's differ (vLLM normalizes per group).
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["mamba", "attention", "mamba"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 64,  # per expert
+            "shared_intermediate_size": 128,
+            "position_embedding_type": "nope",
+            "mamba_n_heads": 8,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 16,
+            "mamba_d_head": 32,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
+        },
+    ),
 }
 
 

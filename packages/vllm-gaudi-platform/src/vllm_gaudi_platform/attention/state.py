@@ -1,0 +1,67 @@
+"""The metadata of state-space layers (Mamba2): the HPU backend vLLM is handed for them.
+
+A Mamba layer keeps no paged keys and values: per request it keeps one state slot (conv and SSM
+state) in its KV-cache group, whose block table holds that slot in its first column (vLLM's
+`mamba_cache_mode` "none"). It reads the same step layout as the attention layers (prefill rows
+of one request each, decode cells), so its metadata is `HPUAttentionMetadata` built from the
+step's layout, plus each row's and decode cell's state slot (`metadata.state_fields`). The
+layer itself is the ops wheel's `hpu_ops_mamba` family.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadataBuilder
+
+
+class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
+    # A state-space layer scans each prefill row as one sequence.
+    pack_prefills = False
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if vllm_config.cache_config.mamba_cache_mode != "none":
+            raise ValueError(
+                f"mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode!r} is not "
+                "supported on HPU: Mamba state is kept per request only (no prefix caching of "
+                "it); pass enable_prefix_caching=False (--no-enable-prefix-caching) or "
+                "mamba_cache_mode='none'."
+            )
+        # The step layout counts context in the attention layers' blocks (the state group's
+        # block size counts tokens per state slot).
+        self.block_size = vllm_config.cache_config.block_size
+        self.mm_prefix = False
+
+    def block_table(
+        self, cm: CommonAttentionMetadata, layout: step_layout.StepLayout, seq_lens: list[int]
+    ) -> torch.Tensor:
+        # No paged attention reads these layers' blocks: a table of the null block, as wide as
+        # the layout's context needs.
+        width = max((-(-s // self.block_size) for s in seq_lens), default=0)
+        return torch.zeros(cm.num_reqs, width, dtype=torch.int32)
+
+    def state_slots(self, cm: CommonAttentionMetadata) -> list[int]:
+        return cm.block_table_tensor[: cm.num_reqs, 0].tolist()
+
+
+class HPUMamba2Backend(AttentionBackend):
+    """What vLLM builds a Mamba2 layer's metadata with on HPU (the layer computes itself)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "HPU_MAMBA2"
+
+    @staticmethod
+    def get_impl_cls():  # type: ignore[no-untyped-def]
+        raise NotImplementedError("Mamba2 layers compute in their own forward pass")
+
+    @staticmethod
+    def get_builder_cls() -> type[HPUStateMetadataBuilder]:
+        return HPUStateMetadataBuilder
+
+    @classmethod
+    def is_ssm(cls) -> bool:
+        return True

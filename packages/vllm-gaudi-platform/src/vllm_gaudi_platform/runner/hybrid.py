@@ -1,0 +1,83 @@
+"""Models with Mamba2 state layers beside attention (Granite 4.0-H, ...): what the runner does
+differently for them.
+
+vLLM's hybrid KV-cache manager gives such a model one KV-cache group per layer kind: the
+attention layers' paged blocks, and per request one state slot per Mamba layer (conv and SSM
+state), both in pages of one size. The step layout, the bucket plan and the block arithmetic
+follow the attention groups; the Mamba layers read their slots through their own metadata
+(`vllm_gaudi_ops.mamba`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
+from vllm_gaudi_platform.bucketing import BucketPlan
+
+PROMPT_BS_MAX = "VLLM_PROMPT_BS_BUCKET_MAX"
+
+
+def attention_block_size(groups: list[Any]) -> int:
+    """Block size of the first group with paged attention blocks (a Mamba group's block size
+    counts tokens per state slot, not per page of keys and values)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for group in groups:
+        if not isinstance(group.kv_cache_spec, MambaSpec):
+            return int(group.kv_cache_spec.block_size)
+    return int(groups[0].kv_cache_spec.block_size)
+
+
+STATE_FIELDS = (
+    "state_slots_prefill",
+    "state_lens_prefill",
+    "state_initial_prefill",
+    "state_slots_decode",
+    "state_initial_decode",
+)
+
+
+def is_state_group(group: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(group.kv_cache_spec, MambaSpec)
+
+
+def has_state_layers(runner: Any) -> bool:
+    """Whether the runner's model has state-space (Mamba) layers: known once the KV cache
+    exists."""
+    config = getattr(runner, "kv_cache_config", None)
+    return config is not None and any(is_state_group(g) for g in config.kv_cache_groups)
+
+
+def for_group(metadata: HPUAttentionMetadata, group: Any) -> HPUAttentionMetadata:
+    """Warmup's metadata as one KV-cache group's layers read it: state slots for a Mamba
+    group, none for an attention group (whose serving steps have none either, which the
+    graphs' static buffers must match)."""
+    if is_state_group(group) or metadata.state_slots_prefill is metadata.state_slots_decode:
+        return metadata
+    cleared: dict[str, Any] = dict.fromkeys(STATE_FIELDS)
+    return dataclasses.replace(metadata, **cleared)
+
+
+# Prompts per prefill step a model with state-space layers gets buckets for, unless the operator
+# sets VLLM_PROMPT_BS_BUCKET_MAX: its prompts cannot share a row, so a step of several prompts
+# needs a bucket with that many rows (a step with more runs at its exact shape, counted).
+STATE_PROMPT_ROWS = 4
+
+
+def plan_environ(state_layers: bool, max_num_seqs: int) -> Mapping[str, str] | None:
+    """The environment the bucket plan is read from: the process's, with more prompt rows by
+    default for a model with state-space layers."""
+    if not state_layers or os.environ.get(PROMPT_BS_MAX):
+        return None
+    return {**os.environ, PROMPT_BS_MAX: str(min(STATE_PROMPT_ROWS, max_num_seqs))}
+
+
+def plan_without_packing(plan: BucketPlan) -> BucketPlan:
+    """The bucket plan of a model with state-space layers: each prompt in its own row."""
+    return dataclasses.replace(plan, pack_prefills=False)
