@@ -270,6 +270,7 @@ SHARED_GROUPS = {
             "tests/integration/test_fp16_checkpoint.py",
             "tests/integration/test_generation.py",
             "tests/integration/test_gpt_oss.py",
+            "tests/integration/test_hybrid.py",
             "tests/integration/test_sliding_window.py",
         ),
         "architectures",

@@ -2,10 +2,11 @@
 memory; tests/habana_standin/engine/sitecustomize.py makes it the process's "Gaudi"), in lazy
 mode with HPU graphs, against the same engines in emulation: a tiny Llama, a tiny 16-expert
 Mixtral (the MoE kernel; decode steps of one or two sequences gather their routed experts), an
-FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM) and a 4-bit checkpoint
-with an FP8 KV cache. Greedy tokens must agree (near-ties allowed, as everywhere) and each engine
-must resolve the same methods. Every rule the stand-in enforces holds on these paths, or the
-Gaudi job fails.
+FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM), a 4-bit checkpoint
+with an FP8 KV cache and a tiny Mamba2 hybrid (GraniteMoeHybrid: the Mamba mixer's state slots
+and padded rows under HPU graphs). Greedy tokens must agree (near-ties allowed, as everywhere)
+and each engine must resolve the same methods. Every rule the stand-in enforces holds on these
+paths, or the Gaudi job fails.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ MAX_TOKENS = 8
 # Compiled (aot_eager over the stand-in) against the same backend eager: logprobs of the sampled
 # tokens, float32.
 LOGPROB_TOLERANCE = 1e-4
-MODELS = ("llama", "mixtral-16", "ct-fp8-dynamic", "ct-wna16-kv-fp8")
+MODELS = ("llama", "mixtral-16", "ct-fp8-dynamic", "ct-wna16-kv-fp8", "granitemoehybrid")
 # The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
 GAUDI_ENV = STANDIN_ENGINE_ENV
 
@@ -46,7 +47,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         )
     from vllm_gaudi_platform.testing import tinymodels
 
-    paths = {name: tinymodels.build(name) for name in ("llama", "mixtral-16")}
+    paths = {name: tinymodels.build(name) for name in ("llama", "mixtral-16", "granitemoehybrid")}
     for fmt in ("ct-fp8-dynamic", "ct-wna16-kv-fp8"):
         out = tmp_path_factory.mktemp(fmt)
         qdir, _ = checkpoints.write(

@@ -56,17 +56,34 @@ class HpuMambaMixer2(MambaMixer2):
         if layout.prefill is not None:
             rows, width = layout.prefill.rows, layout.prefill.query_bucket
             first_decode = rows * width
-            cells = md.cell_to_token[:first_decode]
-            y = self._prefill(
-                conv_in[cells].view(rows, width, -1),
-                dt[cells].view(rows, width, -1),
-                md.state_slots_prefill,
-                md.state_lens_prefill,
-                md.state_initial_prefill,
-                conv_state,
-                ssm_state,
-            )
-            output[cells] = y.reshape(first_decode, -1).to(output.dtype)
+            if md.state_packed is None:  # one request per row: the bucket's shape
+                cells = md.cell_to_token[:first_decode]
+                y = self._prefill(
+                    conv_in[cells].view(rows, width, -1),
+                    dt[cells].view(rows, width, -1),
+                    md.state_slots_prefill,
+                    md.state_lens_prefill,
+                    md.state_initial_prefill,
+                    conv_state,
+                    ssm_state,
+                )
+                output[cells] = y.reshape(first_decode, -1).to(output.dtype)
+            else:
+                # A packed row (an unwarmed step): each request on its own, at its own length.
+                for row, col, n, slot, stored in md.state_packed:
+                    start = row * width + col
+                    cells = md.cell_to_token[start : start + n]
+                    index = torch.tensor([slot], device=conv_in.device)
+                    y = self._prefill(
+                        conv_in[cells][None],
+                        dt[cells][None],
+                        index,
+                        torch.tensor([n], device=conv_in.device),
+                        torch.tensor([float(stored)], device=conv_in.device),
+                        conv_state,
+                        ssm_state,
+                    )
+                    output[cells] = y.reshape(n, -1).to(output.dtype)
         if layout.decode is not None:
             cells = md.cell_to_token[first_decode : first_decode + layout.decode.batch_bucket]
             y = self._decode(

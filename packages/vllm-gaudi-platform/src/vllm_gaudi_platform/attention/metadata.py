@@ -83,6 +83,9 @@ class HPUAttentionMetadata:
     state_initial_prefill: torch.Tensor | None = None  # [rows] float32
     state_slots_decode: torch.Tensor | None = None  # [batch_bucket]
     state_initial_decode: torch.Tensor | None = None  # [batch_bucket] float32
+    # A packed prefill row (no bucket holds the step row by row): per request (row, first
+    # column, new tokens, slot, continues from a stored state). Host data: an unwarmed shape.
+    state_packed: tuple[tuple[int, int, int, int, bool], ...] | None = None
     # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
     # decode pass's own metadata, each laid out over its own tokens only.
     parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
@@ -531,16 +534,24 @@ def state_fields(
     device: torch.device,
 ) -> None:
     """Fill the `state_*` fields of `md`: a state-space layer scans each prefill row as one
-    sequence, so a row packed with several requests has no state slot to name (the runner does
-    not pack prefills of models with such layers: `BucketPlan.pack_prefills`)."""
+    sequence (the runner plans one request per row for models with such layers:
+    `BucketPlan.pack_prefills`), and each request of a packed row on its own."""
     layout = md.layout
     prefill, decode = layout.prefill, layout.decode
-    if prefill is not None:
-        if md.prefill_packed:
-            raise ValueError(
-                "a prefill row holds several requests, and a Mamba layer scans each row as one "
-                "sequence: plan this model's steps with BucketPlan.pack_prefills=False"
-            )
+    if prefill is not None and md.prefill_packed:
+        # Requests sharing a row (a step no bucket holds row by row): per request, its row, first
+        # column, new tokens, slot and stored-state flag; the layer scans each on its own.
+        members = np.array([i for row in prefill.row_members for i in row], dtype=np.int64)
+        row_of = np.repeat(
+            np.arange(len(prefill.row_members)), [len(r) for r in prefill.row_members]
+        )
+        q = query_lens[members]
+        col = _offsets_within_rows(q, row_of)
+        md.state_packed = tuple(
+            (int(r), int(c), int(n), int(slots[m]), bool(ctx_lens[m] > 0))
+            for r, c, n, m in zip(row_of, col, q, members)
+        )
+    elif prefill is not None:
         members = np.array([row[0] for row in prefill.row_members], dtype=np.int64)
         rows = prefill.rows
         slot = np.zeros(rows, dtype=np.int64)

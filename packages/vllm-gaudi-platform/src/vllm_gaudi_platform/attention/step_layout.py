@@ -134,14 +134,17 @@ def plan_prefill(
         if b is not None:
             rows = tuple((i,) for i in members)
             return PrefillPart(b.batch_size, b.query_len, b.ctx_blocks, rows, b, True)
-    if not pack:
-        # One request per row even where no bucket has that many rows: the exact shape.
+    total_q = sum(query_lens[i] for i in members)
+    capacity = max((b.batch_size * b.query_len for b in plan.prompt), default=0) if plan else 0
+    if not pack and n * max_q <= max(capacity, total_q):
+        # One request per row even where no bucket has that many rows: the exact shape, as
+        # long as the padded rows fit the largest bucket's tokens; else packed at the exact
+        # shape (a state-space layer then scans each request on its own: not warmed).
         exact = Bucket("prompt", n, max_q, max_ctx)
         return PrefillPart(n, max_q, max_ctx, tuple((i,) for i in members), exact, False)
-    total_q = sum(query_lens[i] for i in members)
     total_ctx = sum(_blocks(ctx_lens[i], block_size) for i in members)
     packed = (tuple(members),)
-    if plan is not None:
+    if plan is not None and pack:
         b = plan.find_prompt(1, total_q, total_ctx)
         if b is not None:
             return PrefillPart(1, b.query_len, b.ctx_blocks, packed, b, True)

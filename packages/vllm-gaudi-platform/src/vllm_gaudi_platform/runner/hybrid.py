@@ -32,12 +32,36 @@ def attention_block_size(groups: list[Any]) -> int:
     return int(groups[0].kv_cache_spec.block_size)
 
 
+def check_state_layers(model: Any) -> None:
+    """Refuse a model whose state-space layers have no HPU implementation, naming them: vLLM's
+    own would run CUDA (Triton) kernels on their first step."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    from vllm_gaudi_platform.attention.state import HPUMamba2Backend
+
+    missing = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, MambaBase) and m.get_attn_backend() is not HPUMamba2Backend
+        }
+    )
+    if missing:
+        raise ValueError(
+            f"{', '.join(missing)} layers have no HPU implementation: a Mamba2 mixer needs the "
+            "op family hpu_ops_mamba (install vllm-gaudi-ops, and keep hpu_ops_mamba in "
+            "VLLM_PLUGINS if you set it); other state-space layers (Mamba1, gated delta net, "
+            "short conv, ...) have no HPU kernels yet."
+        )
+
+
 STATE_FIELDS = (
     "state_slots_prefill",
     "state_lens_prefill",
     "state_initial_prefill",
     "state_slots_decode",
     "state_initial_decode",
+    "state_packed",
 )
 
 

@@ -220,6 +220,7 @@ class HPUModelRunner(GPUModelRunner):
         logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
         # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
         loaded: Any = model if model is not None else get_model(vllm_config=self.vllm_config)
+        hybrid.check_state_layers(loaded)
         self.model = loaded
         if self.lora_config:
             # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run

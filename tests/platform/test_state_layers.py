@@ -1,0 +1,131 @@
+"""The platform's side of models with Mamba2 state layers (runner/hybrid.py, attention/state.py):
+prompts never share a prefill row, each row and decode cell names its request's state slot,
+attention layers' metadata carries no slots, and a state layer without an HPU implementation is
+refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+
+from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention.metadata import build_metadata
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
+from vllm_gaudi_platform.runner import hybrid
+
+BLOCK = 128
+
+
+def _plan(pack: bool) -> BucketPlan:
+    prompt = (Bucket("prompt", 1, 256, 0), Bucket("prompt", 1, 512, 0))
+    plan = BucketPlan("exp", prompt, (Bucket("decode", 4, 1, 8),))
+    return plan if pack else hybrid.plan_without_packing(plan)
+
+
+def test_two_prompts_pack_into_one_row_unless_the_plan_forbids_packing():
+    kwargs = dict(query_lens=[100, 60], seq_lens=[100, 60], block_size=BLOCK)
+    packed = step_layout.plan_step(**kwargs, plan=_plan(pack=True))
+    unpacked = step_layout.plan_step(**kwargs, plan=_plan(pack=False))
+
+    assert packed.prefill.row_members == ((0, 1),) and packed.prefill.warmed
+    # No two-row bucket in this plan: the step runs at its exact shape, counted as not warmed.
+    assert unpacked.prefill.row_members == ((0,), (1,))
+    assert (unpacked.prefill.rows, unpacked.prefill.query_bucket) == (2, 100)
+    assert not unpacked.prefill.warmed
+
+
+def _metadata(layout, seq_lens, slots):
+    width = max(-(-s // BLOCK) for s in seq_lens)
+    return build_metadata(
+        layout=layout,
+        seq_lens=seq_lens,
+        block_table=torch.zeros(len(seq_lens), width, dtype=torch.int32),
+        slot_mapping=torch.zeros(sum(layout.query_lens), dtype=torch.int64),
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+        state_slots=slots,
+    )
+
+
+def test_each_prefill_row_and_decode_cell_names_its_requests_state_slot():
+    # Request 0 decodes (context 40), 1 is a new prompt, 2 continues a chunked prompt (context
+    # 128), 3 is a one-token prompt (a decode cell with no stored state).
+    query_lens, seq_lens = [1, 30, 50, 1], [41, 30, 178, 1]
+    plan = BucketPlan(
+        "exp", (Bucket("prompt", 4, 64, 2),), (Bucket("decode", 4, 1, 8),), pack_prefills=False
+    )
+    layout = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+    md = _metadata(layout, seq_lens, slots=[7, 3, 9, 5])
+
+    assert md.state_slots_prefill.tolist() == [3, 9, 0, 0]  # padding rows: the null block
+    assert md.state_lens_prefill.tolist() == [30, 50, 0, 0]
+    assert md.state_initial_prefill.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert md.state_slots_decode.tolist() == [7, 5, 0, 0]
+    assert md.state_initial_decode.tolist() == [1.0, 0.0, 0.0, 0.0]
+    # The rows' cells hold the requests' tokens in order: request 1's 30, then request 2's 50.
+    starts = np.cumsum([0, *query_lens])
+    cells = md.cell_to_token[: 4 * 64].view(4, 64)
+    assert cells[0, :30].tolist() == list(range(starts[1], starts[1] + 30))
+    assert cells[1, :50].tolist() == list(range(starts[2], starts[2] + 50))
+
+
+def test_prompts_whose_padded_rows_exceed_every_bucket_share_a_row_unwarmed_named_per_request():
+    # Rows of 400 tokens for three prompts: 1,200 padded tokens, past the largest bucket (512).
+    query_lens, seq_lens = [400, 10, 30], [400, 10, 158]
+    layout = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=_plan(pack=False)
+    )
+    md = _metadata(layout, seq_lens, slots=[4, 6, 8])
+
+    assert layout.prefill.row_members == ((0, 1, 2),) and not layout.prefill.warmed
+    assert layout.prefill.query_bucket == 440  # the exact shape, not the 512 bucket
+    # (row, first column, new tokens, slot, continues from a stored state) per request
+    assert md.state_packed == ((0, 0, 400, 4, False), (0, 400, 10, 6, False), (0, 410, 30, 8, True))
+    assert md.state_slots_prefill is None
+
+
+def test_attention_groups_get_warmups_metadata_without_the_state_slots():
+    layout, seq_lens = step_layout.layout_for_bucket(Bucket("decode", 2, 1, 2), BLOCK)
+    md = _metadata(layout, seq_lens, slots=[0, 0])
+    attention = KVCacheGroupSpec(
+        ["attn"],
+        FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.float32),
+    )
+    mamba = KVCacheGroupSpec(
+        ["mamba"],
+        MambaSpec(block_size=512, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.float32,) * 2),
+    )
+
+    assert hybrid.for_group(md, mamba) is md
+    stripped = hybrid.for_group(md, attention)
+    assert all(getattr(stripped, name) is None for name in hybrid.STATE_FIELDS)
+    assert stripped.decode_block_list is md.decode_block_list
+    assert hybrid.attention_block_size([mamba, attention]) == BLOCK
+
+
+def test_a_state_layer_without_an_hpu_implementation_is_refused_naming_it_and_the_family():
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend
+
+    class ShortConv(MambaBase, torch.nn.Module):  # vLLM's own backend: CUDA kernels
+        def get_state_shape(self):
+            return ((3, 8),)
+
+        def get_state_dtype(self):
+            return (torch.float32,)
+
+        @property
+        def mamba_type(self):
+            return "short_conv"
+
+        def get_attn_backend(self):
+            return Mamba2AttentionBackend
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), ShortConv())
+    with pytest.raises(ValueError, match=r"ShortConv layers .*hpu_ops_mamba.*VLLM_PLUGINS"):
+        hybrid.check_state_layers(model)
+    hybrid.check_state_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # nothing to refuse
