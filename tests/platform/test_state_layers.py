@@ -129,3 +129,31 @@ def test_a_state_layer_without_an_hpu_implementation_is_refused_naming_it_and_th
     with pytest.raises(ValueError, match=r"ShortConv layers .*hpu_ops_mamba.*VLLM_PLUGINS"):
         hybrid.check_state_layers(model)
     hybrid.check_state_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # nothing to refuse
+
+
+def _config(speculative=None, prefix_caching=True):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(
+            is_hybrid=True, architecture="GraniteMoeHybridForCausalLM", max_model_len=512
+        ),
+        speculative_config=speculative,
+        cache_config=SimpleNamespace(
+            enable_prefix_caching=prefix_caching, mamba_cache_mode="align", mamba_block_size=128
+        ),
+    )
+
+
+def test_a_hybrid_config_runs_without_prefix_caching_one_state_per_request():
+    config = _config()
+
+    assert hybrid.check_vllm_config(config) is True
+    cache = config.cache_config
+    assert (cache.enable_prefix_caching, cache.mamba_cache_mode) == (False, "none")
+    assert cache.mamba_block_size == 512
+
+
+def test_speculative_decoding_on_a_hybrid_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match=r"GraniteMoeHybrid.*--speculative-config"):
+        hybrid.check_vllm_config(_config(speculative=object()))

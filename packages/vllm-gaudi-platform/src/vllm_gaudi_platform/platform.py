@@ -305,18 +305,9 @@ class HpuPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        HpuPlatform._checking_mamba_hybrid = _mamba_hybrid(vllm_config.model_config)
-        if HpuPlatform._checking_mamba_hybrid and cache_config.enable_prefix_caching:
-            # vLLM caches Mamba state at block boundaries ("align" mode) with Triton kernels
-            # that write intermediate states; the HPU mixer keeps one state per request.
-            logger.warning(
-                "Prefix caching is off for %s on HPU: its Mamba state is kept per request "
-                "(vLLM's mamba_cache_mode 'none').",
-                vllm_config.model_config.architecture,
-            )
-            cache_config.enable_prefix_caching = False
-            cache_config.mamba_cache_mode = "none"
-            cache_config.mamba_block_size = vllm_config.model_config.max_model_len
+        from vllm_gaudi_platform.runner import hybrid
+
+        HpuPlatform._checking_mamba_hybrid = hybrid.check_vllm_config(vllm_config)
         if cache_config.cache_dtype not in HPU_KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype={cache_config.cache_dtype!r} is not supported on HPU; use one of "
@@ -388,7 +379,9 @@ class HpuPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        if _mamba_hybrid(vllm_config.model_config):
+        from vllm_gaudi_platform.runner.hybrid import is_mamba_hybrid
+
+        if is_mamba_hybrid(vllm_config.model_config):
             # Attention blocks and Mamba state slots share one page size: vLLM grows the
             # attention block (in steps of the backend's block size) until a page holds a
             # layer's Mamba state, and pads the state to that page.
@@ -550,11 +543,6 @@ def _check_bucketing(vllm_config: VllmConfig) -> None:
     for name in (envs.VLLM_SKIP_WARMUP, envs.VLLM_FULL_WARMUP):
         envs.get_bool(name)
     envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
-
-
-def _mamba_hybrid(model_config: Any) -> bool:
-    """A model with Mamba state layers beside its attention layers (Granite 4.0-H, ...)."""
-    return model_config is not None and bool(model_config.is_hybrid)
 
 
 def _check_compile_settings(vllm_config: VllmConfig) -> None:

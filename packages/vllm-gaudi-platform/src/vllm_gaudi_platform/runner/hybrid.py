@@ -15,10 +15,48 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.bucketing import BucketPlan
 
+logger = init_logger(f"vllm.{__name__}")
+
 PROMPT_BS_MAX = "VLLM_PROMPT_BS_BUCKET_MAX"
+
+
+def is_mamba_hybrid(model_config: Any) -> bool:
+    """A model with Mamba state layers beside its attention layers (Granite 4.0-H, ...)."""
+    return model_config is not None and bool(model_config.is_hybrid)
+
+
+def check_vllm_config(vllm_config: Any) -> bool:
+    """The platform's config check for Mamba hybrids (before any engine starts): True for one.
+
+    Prefix caching is turned off (vLLM caches Mamba state at block boundaries, its "align"
+    mode, with Triton kernels that write intermediate states; the HPU mixer keeps one state per
+    request), and speculative decoding is refused (a request's state would advance past its
+    rejected draft tokens)."""
+    model_config = vllm_config.model_config
+    if not is_mamba_hybrid(model_config):
+        return False
+    if vllm_config.speculative_config is not None:
+        raise ValueError(
+            f"speculative decoding is not supported on HPU for {model_config.architecture} (a "
+            "Mamba2 hybrid): its Mamba state would advance past rejected draft tokens; remove "
+            "speculative_config (--speculative-config)."
+        )
+    cache_config = vllm_config.cache_config
+    if cache_config.enable_prefix_caching:
+        logger.warning(
+            "Prefix caching is off for %s on HPU: its Mamba state is kept per request "
+            "(vLLM's mamba_cache_mode 'none').",
+            model_config.architecture,
+        )
+        cache_config.enable_prefix_caching = False
+        cache_config.mamba_cache_mode = "none"
+        cache_config.mamba_block_size = model_config.max_model_len
+    return True
 
 
 def attention_block_size(groups: list[Any]) -> int:
