@@ -430,6 +430,7 @@ class HPUModelRunner(GPUModelRunner):
             block_size=self.block_size,
             device=self.device,
             image_spans={} if self.is_mm_prefix_lm else None,
+            state_slots=[] if self.has_state_layers else None,  # padding: the null slot
         )
         self._forward_with_metadata(metadata, total, 0, capture=False)
         self.idle_dp_steps += 1
