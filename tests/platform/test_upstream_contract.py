@@ -920,6 +920,20 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
     Overriding(
         f"{P}.attention.metadata:HPUAttentionMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
+        frozenset({"block_table", "state_slots"}),
+    ),
+    Overriding(
+        f"{P}.attention.state:HPUStateMetadataBuilder",
+        "vllm.v1.attention.backend:AttentionMetadataBuilder",
+        frozenset({"block_table", "state_slots"}),
+    ),
+    Overriding(
+        f"{P}.attention.state:HPUMamba2Backend", "vllm.v1.attention.backend:AttentionBackend"
+    ),
+    Overriding(
+        "vllm_gaudi_ops.families.mamba:HpuMambaMixer2",
+        "vllm.model_executor.layers.mamba.mamba_mixer2:MambaMixer2",
+        frozenset({"_split_conv_out", "_prefill", "_decode"}),
     ),
     Overriding(f"{P}.attention.mla:HPUMLABackend", f"{MLA}:MLACommonBackend"),
     Overriding(
