@@ -96,6 +96,12 @@ CASES: dict[str, Case] = {
         hpu_engine=HYBRID_ENGINE,
         cpu_engine={"enable_prefix_caching": False},
     ),
+    # Nemotron-H's shape: Mamba2 with two groups, attention and MLP blocks as separate layers
+    "nemotron-h": Case(
+        lambda: tinymodels.build("nemotron-h"),
+        hpu_engine=HYBRID_ENGINE,
+        cpu_engine={"enable_prefix_caching": False},
+    ),
 }
 # Not cross-checked: the tiny DeepSeek-V2 (MLA, test_mla.py). vLLM 0.32's CPU backend runs it but
 # its greedy tokens differ from transformers' on all 10 prompts (the one-token prompt from its

@@ -1,14 +1,16 @@
 """Mamba2 hybrids end to end: a tiny Granite 4.0-H-shaped model (GraniteMoeHybrid: Mamba2 layers
-around an attention layer, MoE feed-forward blocks, no rotary embedding) generates on the HPU
-platform what transformers generates, through the `hpu_ops_mamba` family's mixer.
+around an attention layer, MoE feed-forward blocks, no rotary embedding) and a tiny Nemotron-H
+(Mamba2 with two groups of B/C projections, attention and squared-ReLU MLP blocks as separate
+layers) generate on the HPU platform what transformers generates, through the `hpu_ops_mamba`
+family's mixer.
 
 The shared architectures run (architectures.py) serves 10 prompts of 1 to 300 tokens as the
 platform README advises for Mamba hybrids: at most 4 prompts per step, one prefill row each, and
 at most 128 new tokens per prompt and step, so the longer prompts continue from the state their
-earlier chunks left in their slot. A second engine keeps vLLM's default token budget (256) and 16
-sequences: steps whose prompts do not fit row by row share a row, which the mixer scans request
-by request (correct, and counted as recompiles). vLLM's own mixer cannot run on this platform
-(Triton kernels), so equal tokens mean the HPU mixer ran.
+earlier chunks left in their slot. A second engine keeps the test engine's token budget (256) and
+16 sequences: steps whose prompts do not fit row by row share a row, which the mixer scans
+request by request (correct, and counted as recompiles). vLLM's own mixer cannot run on this
+platform (Triton kernels), so equal tokens mean the HPU mixer ran.
 """
 
 from __future__ import annotations
@@ -23,18 +25,23 @@ from tests.integration.generation import ENGINE, assert_close, hf_greedy, named_
 pytestmark = pytest.mark.engine
 
 NAME = "granitemoehybrid"
+NAMES = ("granitemoehybrid", "nemotron-h")
+# Where each config lists its layers (transformers writes Mamba layers as "linear_attention").
+LAYER_KEYS = {"granitemoehybrid": "layer_types", "nemotron-h": "layers_block_type"}
+_REFERENCES: dict[str, list[dict]] = {}
 
 
-@pytest.fixture(scope="module")
-def hybrid() -> dict:
-    proc, result = hpu_run(NAME)
+def reference_of(name: str) -> list[dict]:
+    if name not in _REFERENCES:
+        _REFERENCES[name] = hf_greedy(str(CASES[name].build()), prompts(name))
+    return _REFERENCES[name]
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def hybrid(request) -> tuple[str, dict]:
+    proc, result = hpu_run(request.param)
     assert result is not None, proc.stderr[-4000:]
-    return result
-
-
-@pytest.fixture(scope="module")
-def reference() -> list[dict]:
-    return hf_greedy(str(CASES[NAME].build()), prompts(NAME))
+    return request.param, result
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +61,23 @@ def packed() -> dict:
 
 
 def test_hybrid_runs_on_the_hpu_platform_with_prompts_chunked_across_steps(hybrid):
-    config = json.loads((CASES[NAME].build() / "config.json").read_text())
-    # transformers writes the Mamba layers as "linear_attention"
-    assert config["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
-    assert hybrid["platform"] == "HpuPlatform"
-    chunk = CASES[NAME].hpu_engine["long_prefill_token_threshold"]
-    assert sum(len(p) > chunk for p in prompts(NAME)) >= 3
+    name, result = hybrid
+    config = json.loads((CASES[name].build() / "config.json").read_text())
+    layers = config[LAYER_KEYS[name]]
+    assert "linear_attention" in layers and "full_attention" in layers
+    assert result["platform"] == "HpuPlatform"
+    chunk = CASES[name].hpu_engine["long_prefill_token_threshold"]
+    assert sum(len(p) > chunk for p in prompts(name)) >= 3
 
 
-def test_greedy_tokens_match_transformers(hybrid, reference):
-    diverged = assert_close(hybrid["rounds"][0], reference, "GraniteMoeHybrid on HPU")
+def test_greedy_tokens_match_transformers(hybrid):
+    name, result = hybrid
+    diverged = assert_close(result["rounds"][0], reference_of(name), f"{name} on HPU")
     assert diverged == 0, f"{diverged} of 10 prompts diverge from transformers (float32)"
 
 
 def test_no_recompiles_after_warmup_and_every_step_replays_a_graph(hybrid):
-    stats = hybrid["stats"]
+    stats = hybrid[1]["stats"]
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     # Prompts never share a row: no packed variant is warmed or captured.
     assert stats["num_packed_graphs"] == 0
@@ -76,8 +85,8 @@ def test_no_recompiles_after_warmup_and_every_step_replays_a_graph(hybrid):
     assert stats["eager_steps"] == 0, stats["eager_buckets"]
 
 
-def test_prompts_sharing_a_row_are_scanned_one_by_one_and_counted_as_recompiles(packed, reference):
-    diverged = assert_close(packed["rounds"][0], reference, "GraniteMoeHybrid, packed rows")
+def test_prompts_sharing_a_row_are_scanned_one_by_one_and_counted_as_recompiles(packed):
+    diverged = assert_close(packed["rounds"][0], reference_of(NAME), f"{NAME}, packed rows")
     assert diverged == 0
     unwarmed = packed["stats"]["unwarmed_buckets"]
     assert unwarmed and all(b["phase"] == "prompt" for b in unwarmed), unwarmed

@@ -202,6 +202,25 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_chunk_size": 64,
         },
     ),
+    # Nemotron-H's shape: Mamba2 (two groups of B/C projections, normed per group), attention
+    # and squared-ReLU MLP blocks as separate layers. time_step_min 1e-30: transformers clamps
+    # every step size at it (vLLM does not), a no-op that low (at its default, 1e-3, the clamp
+    # changes transformers' greedy tokens on 6 of the 10 test prompts; the initial step sizes
+    # stay at least time_step_floor, 1e-4).
+    "nemotron-h": (
+        "NemotronHConfig",
+        {
+            "layers_block_type": ["mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+            "head_dim": 32,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 32,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+            "chunk_size": 64,
+            "time_step_min": 1e-30,
+            "mlp_hidden_act": "relu2",
+        },
+    ),
 }
 
 
