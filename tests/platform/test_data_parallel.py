@@ -152,16 +152,18 @@ class _IdleRank:
     """What HPUModelRunner.execute_idle_dp_step touches: the agreed layout comes from
     `maxima` (the other ranks' all-reduce), the forward pass is recorded, not run."""
 
-    def __init__(self, maxima: tuple[int, ...]) -> None:
+    def __init__(self, maxima: tuple[int, ...], has_state_layers: bool = False) -> None:
         from vllm_gaudi_platform.runner.recompiles import RecompileTracker
 
         self.maxima = maxima
+        self.has_state_layers = has_state_layers  # Mamba layers
         self.recompiles = RecompileTracker(strict=False)
         self.block_size = BLOCK
         self.device = torch.device("cpu")
         self.idle_dp_steps = 0
         self.is_mm_prefix_lm = False
         self.forwards: list[tuple[int, int]] = []
+        self.metadata: list = []
 
     def _agree_across_dp(self, layout):
         assert layout is None  # an idle rank has no requests of its own
@@ -169,6 +171,7 @@ class _IdleRank:
 
     def _forward_with_metadata(self, metadata, total, n, *, capture=None):
         self.forwards.append((total, metadata.num_actual_tokens))
+        self.metadata.append(metadata)
 
 
 def test_idle_rank_counts_each_padding_only_step_it_runs():
@@ -179,6 +182,18 @@ def test_idle_rank_counts_each_padding_only_step_it_runs():
     HPUModelRunner.execute_idle_dp_step(rank)
     assert rank.idle_dp_steps == 2
     assert rank.forwards == [(2 * 32 + 4, 0)] * 2  # the agreed buckets, no real token
+
+
+def test_an_idle_rank_of_a_mamba_hybrid_reads_and_writes_only_the_null_state_slot():
+    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+
+    rank = _IdleRank((2, 32, 2, 4, 8, 0, 0), has_state_layers=True)
+    HPUModelRunner.execute_idle_dp_step(rank)
+    (md,) = rank.metadata
+    assert md.state_slots_prefill.tolist() == [0, 0]
+    assert md.state_lens_prefill.tolist() == [0, 0]
+    assert md.state_slots_decode.tolist() == [0] * 4
+    assert md.state_initial_decode.tolist() == [0.0] * 4
 
 
 def test_step_where_every_rank_is_idle_runs_nothing_and_is_not_counted():
