@@ -20,6 +20,8 @@ COUNTERS = (
     "vllm:kv_offload_store_bytes",
     "vllm:kv_offload_load_bytes",
     "vllm:kv_offload_allocation_failure",
+    "vllm:kv_offload_tiering_read_bytes",
+    "vllm:kv_offload_tiering_write_bytes",
 )
 
 
@@ -39,7 +41,9 @@ def run(job: dict) -> dict:
             [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
         )
         rounds.append([completion(o) for o in outs])
-        values = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        values: dict[str, float] = {}
+        for m in llm.get_metrics():  # labelled counters (per tier) add up
+            values[m.name] = values.get(m.name, 0) + getattr(m, "value", 0)
         counters.append({name: values.get(name, 0) for name in COUNTERS})
     return {"rounds": rounds, "counters": counters}
 

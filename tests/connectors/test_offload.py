@@ -8,7 +8,11 @@ the HPU KV cache and host chunks.
   the device by other prompts, is served again from host memory (external prefix-cache hits,
   load bytes equal to its blocks), and every prompt generates what transformers does;
 - a host tier too small for what the engine offers it: stores that do not fit are counted as
-  allocation failures and the prompts are recomputed, with the same tokens.
+  allocation failures and the prompts are recomputed, with the same tokens;
+- `HpuTieringOffloadingSpec` with vLLM's file tier behind a small host tier: the worker's host
+  chunks are its cells of the shared region's rows, which the file tier writes to disk and reads
+  back; a prefix evicted from the device and from host memory comes back from its block files,
+  and a fresh engine on the same directory serves it from them too.
 """
 
 from __future__ import annotations
@@ -138,6 +142,49 @@ def test_the_worker_round_trip_on_the_standin_hpu_device(run_python):
     assert result == {"devices": ["hpu", "hpu"], "jobs": [1, 2], "restored": True}
 
 
+def test_the_worker_copies_into_its_cell_of_each_shared_region_row(hpu_backend):
+    # The tiered spec's host memory: one mmap region whose chunk rows hold every rank's cell;
+    # the scheduler's secondary tiers copy whole rows. Rank 1's pages must land in its cell.
+    import uuid
+
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+    from vllm_gaudi_connectors.offload import HpuOffloadingWorker
+
+    caches = _worker_caches()
+    original = [t.tensor.clone() for t in caches.tensors]
+    bpc, chunks, cell = 2, 4, 2 * (256 + 384)
+    row = 4096  # two ranks' cells, page-aligned
+    engine = f"test-{uuid.uuid4().hex}"
+    scheduler = SharedOffloadRegion(engine, chunks, None, row, cell)
+    region = SharedOffloadRegion(engine, chunks, 1, row, cell)
+    worker = HpuOffloadingWorker(caches, bpc, chunks, region)
+    try:
+        worker.submit_store(1, GPULoadStoreSpec([5, 6, 7], [3], [0]), CPULoadStoreSpec([2, 0]))
+        rows = scheduler.base_tensor.view(chunks, row)
+        # Chunk 2 holds blocks 5 and 6: tensor 0's two pages, then tensor 1's, in rank 1's cell.
+        cell_2 = rows[2, cell : 2 * cell]
+        assert torch.equal(cell_2[:256], original[0][5])
+        assert torch.equal(cell_2[256:512], original[0][6])
+        assert torch.equal(cell_2[512:896], original[1][5])
+        assert not rows[:, :cell].any()  # rank 0's cells untouched
+        # A secondary tier's promotion: the bytes come back into another row; load from there.
+        rows[3].copy_(rows[2])
+        rows[1].copy_(rows[0])
+        for t in caches.tensors:
+            t.tensor.zero_()
+        worker.submit_load(2, CPULoadStoreSpec([3, 1]), GPULoadStoreSpec([9, 10, 11], [3], [0]))
+        assert [r.job_id for r in worker.get_finished()] == [1, 2]
+        for src, dst in ((5, 9), (6, 10), (7, 11)):
+            for i in (0, 1):
+                assert torch.equal(caches.tensors[i].tensor[dst], original[i][src])
+    finally:
+        worker.shutdown()
+        scheduler.cleanup()
+
+
 REGISTER_TWICE = """
 import vllm_gaudi_connectors
 from vllm_gaudi_platform import plugins
@@ -145,16 +192,22 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 vllm_gaudi_connectors.register_offload()
 plugins.OUTCOMES.clear()  # as if a second general-plugin pass ran in this process
 vllm_gaudi_connectors.register_offload()
-cls = OffloadingSpecFactory.get_spec_cls({"spec_name": "HpuCPUOffloadingSpec"})
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
-print(cls.__name__, issubclass(cls, CPUOffloadingSpec), plugins.OUTCOMES["hpu_offload"])
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+for name, base in (("HpuCPUOffloadingSpec", CPUOffloadingSpec),
+                   ("HpuTieringOffloadingSpec", TieringOffloadingSpec)):
+    cls = OffloadingSpecFactory.get_spec_cls({"spec_name": name})
+    print(cls.__name__, issubclass(cls, base), plugins.OUTCOMES["hpu_offload"])
 """
 
 
 def test_entry_point_registers_the_spec_once_even_when_run_twice(run_python):
     result = run_python(REGISTER_TWICE, {"VLLM_HPU_EMULATION": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "HpuCPUOffloadingSpec True registered"
+    assert result.stdout.strip().splitlines()[-2:] == [
+        "HpuCPUOffloadingSpec True registered",
+        "HpuTieringOffloadingSpec True registered",
+    ]
 
 
 # ---- engines --------------------------------------------------------------------------------
@@ -170,14 +223,15 @@ def _prompts():
     return [first, fillers, again]
 
 
-def _offloading(cpu_bytes: int) -> dict:
+def _offloading(cpu_bytes: int, files: Path | None = None) -> dict:
+    extra: dict = {"spec_name": "HpuCPUOffloadingSpec", "cpu_bytes_to_use": cpu_bytes}
+    if files is not None:
+        tier = {"type": "fs", "root_dir": str(files), "n_read_threads": 2, "n_write_threads": 2}
+        extra.update(spec_name="HpuTieringOffloadingSpec", secondary_tiers=[tier])
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "HpuCPUOffloadingSpec",
-            "cpu_bytes_to_use": cpu_bytes,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -188,23 +242,33 @@ SMALL_CACHE["disable_log_stats"] = False
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[str, dict]:
+def engines(tmp_path_factory) -> dict[str, dict]:
     model = str(tinymodels.build("llama"))
     rounds = _prompts()
+    files = tmp_path_factory.mktemp("kv-files")
+    # The file tier sits behind 6 host blocks, which the fillers' 14 stored blocks overrun; the
+    # restarted engine (same directory, empty host memory) serves only the last round.
     jobs = {
         name: {
             "model": model,
-            "engine": {**SMALL_CACHE, "kv_transfer_config": _offloading(cpu_bytes)},
-            "rounds": rounds,
+            "engine": {**SMALL_CACHE, "kv_transfer_config": _offloading(cpu_bytes, tier)},
+            "rounds": job_rounds,
             "max_tokens": MAX_TOKENS,
         }
-        for name, cpu_bytes in (("host-memory", 64 << 20), ("host-full", 2 * BLOCK_BYTES))
+        for name, cpu_bytes, tier, job_rounds in (
+            ("host-memory", 64 << 20, None, rounds),
+            ("host-full", 2 * BLOCK_BYTES, None, rounds),
+            ("file-tier", 6 * BLOCK_BYTES, files, rounds),
+            ("file-tier-restart", 6 * BLOCK_BYTES, files, rounds[-1:]),
+        )
     }
     proc = run_job(JOB, json.dumps(jobs), {"PYTHONPATH": str(REPO)})
     results = named_job_outputs(proc)
     if set(results) != set(jobs):
         pytest.fail(f"the offload jobs printed {sorted(results)}:\n{proc.stderr[-5000:]}")
-    results["reference"] = {"rounds": [hf_greedy(model, r, MAX_TOKENS) for r in rounds]}
+    reference = [hf_greedy(model, r, MAX_TOKENS) for r in rounds]
+    results["reference"] = {"rounds": reference}
+    results["reference-restart"] = {"rounds": reference[-1:]}
     return results
 
 
@@ -224,9 +288,10 @@ def test_an_evicted_prefix_comes_back_from_host_memory(engines):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", ["host-memory", "host-full"])
+@pytest.mark.parametrize("name", ["host-memory", "host-full", "file-tier", "file-tier-restart"])
 def test_offloaded_serving_generates_what_transformers_does(engines, name):
-    ours, ref = engines[name]["rounds"], engines["reference"]["rounds"]
+    ours = engines[name]["rounds"]
+    ref = engines["reference-restart" if name.endswith("restart") else "reference"]["rounds"]
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert assert_close(a, b, f"{name} round {i}") == 0
 
@@ -236,3 +301,26 @@ def test_a_full_host_tier_falls_back_to_recomputing(engines):
     result = engines["host-full"]
     assert result["counters"][-1]["vllm:kv_offload_allocation_failure"] > 0
     assert _delta(result, "vllm:external_prefix_cache_hits") == 0
+
+
+@pytest.mark.engine
+def test_a_prefix_evicted_from_host_memory_comes_back_from_its_block_files(engines):
+    result = engines["file-tier"]
+    prefix_bytes = PREFIX_BLOCKS * BLOCK_BYTES
+    # Everything stored in host memory was written on to disk as well.
+    first, last = result["counters"][0], result["counters"][-1]
+    assert first["vllm:kv_offload_tiering_write_bytes"] >= prefix_bytes
+    assert last["vllm:kv_offload_tiering_write_bytes"] == last["vllm:kv_offload_store_bytes"]
+    # The prefix's host chunks were reused by the fillers: it is read from the files, then
+    # loaded into the device, and counted as external prefix-cache hits.
+    assert _delta(result, "vllm:prefix_cache_hits") == 0
+    assert _delta(result, "vllm:kv_offload_tiering_read_bytes") == prefix_bytes
+    assert _delta(result, "vllm:kv_offload_load_bytes") == prefix_bytes
+    assert _delta(result, "vllm:external_prefix_cache_hits") == PREFIX_BLOCKS * 128
+
+
+@pytest.mark.engine
+def test_a_fresh_engine_serves_a_prefix_from_the_files_of_an_earlier_one(engines):
+    [counters] = engines["file-tier-restart"]["counters"]
+    assert counters["vllm:kv_offload_tiering_read_bytes"] == PREFIX_BLOCKS * BLOCK_BYTES
+    assert counters["vllm:external_prefix_cache_hits"] == PREFIX_BLOCKS * 128

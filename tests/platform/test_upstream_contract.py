@@ -608,6 +608,29 @@ UPSTREAM: tuple[Upstream, ...] = (
         "CompressedTensorsConfig._check_scheme_supported",
         "HpuCompressedTensorsConfig._check_scheme_supported (no CUDA capability check on HPU)",
     ),
+    # --- connectors wheel (offload.py) ----------------------------------------------------------
+    Upstream(
+        "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec.create_worker",
+        "HpuTieringOffloadingSpec.create_worker maps the same shared region with these attributes",
+        mentions=(
+            "_engine_id",
+            "replicated_layout",
+            "cpu_page_size_per_worker",
+            "kv_bytes_per_chunk",
+            "num_chunks",
+            "canonical_layout",
+        ),
+    ),
+    Upstream(
+        "vllm.v1.kv_offload.cpu.shared_offload_region:SharedOffloadRegion.__init__",
+        "HpuTieringOffloadingSpec.create_worker opens the worker's view of the region",
+        params=("engine_id", "num_chunks", "rank", "kv_bytes_per_chunk", "cpu_page_size"),
+    ),
+    Upstream(
+        "vllm.v1.kv_offload.cpu.shared_offload_region:SharedOffloadRegion.create_next_worker_view",
+        "HpuOffloadingWorker takes its host chunks from the region's rows, one view per tensor",
+        params=("tensor_page_size",),
+    ),
     # --- connectors wheel (nixl.py: HpuNixlConnector) -------------------------------------------
     Upstream(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
@@ -960,6 +983,19 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
     Overriding(
         "vllm_gaudi_connectors.nixl:HpuNixlConnectorScheduler",
         f"{NIXL}.pull_scheduler:NixlPullConnectorScheduler",
+    ),
+    Overriding(
+        "vllm_gaudi_connectors.offload:HpuOffloadingWorker",
+        "vllm.v1.kv_offload.base:OffloadingWorker",
+        frozenset({"_host_tensor", "_pairs", "_copy"}),
+    ),
+    Overriding(
+        "vllm_gaudi_connectors.offload:HpuCPUOffloadingSpec",
+        "vllm.v1.kv_offload.cpu.spec:CPUOffloadingSpec",
+    ),
+    Overriding(
+        "vllm_gaudi_connectors.offload:HpuTieringOffloadingSpec",
+        "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec",
     ),
 )
 

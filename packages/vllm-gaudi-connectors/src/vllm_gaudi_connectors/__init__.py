@@ -2,8 +2,9 @@
 
 `register_nixl` is the `hpu_nixl` entry point (group `vllm.general_plugins`): it registers
 `HpuNixlConnector` by name with vLLM's connector factory. `register_offload` is `hpu_offload`:
-it registers `HpuCPUOffloadingSpec` (offload.py) with vLLM's offloading-spec factory, for
-`OffloadingConnector` with `"spec_name": "HpuCPUOffloadingSpec"`.
+it registers `HpuCPUOffloadingSpec` (host memory) and `HpuTieringOffloadingSpec` (host memory in
+front of vLLM's secondary tiers, such as block files on disk), both in offload.py, with vLLM's
+offloading-spec factory, for `OffloadingConnector` with `"spec_name"` set to either.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from __future__ import annotations
 from vllm_gaudi_platform import plugins
 
 NIXL_CONNECTOR = ("HpuNixlConnector", "vllm_gaudi_connectors.nixl", "HpuNixlConnector")
-OFFLOAD_SPEC = ("HpuCPUOffloadingSpec", "vllm_gaudi_connectors.offload", "HpuCPUOffloadingSpec")
+OFFLOAD_SPECS = tuple(
+    (name, "vllm_gaudi_connectors.offload", name)
+    for name in ("HpuCPUOffloadingSpec", "HpuTieringOffloadingSpec")
+)
 
 
 @plugins.general_plugin("hpu_nixl")
@@ -32,11 +36,11 @@ def register_nixl() -> None:
 
 @plugins.general_plugin("hpu_offload")
 def register_offload() -> None:
-    """Register HpuCPUOffloadingSpec with vLLM's OffloadingSpecFactory (kept if present). The
-    factory imports offload.py (torch, vLLM's offloading modules) only when a spec is built: this
-    runs in every process."""
+    """Register the HPU offloading specs with vLLM's OffloadingSpecFactory (each kept if
+    present). The factory imports offload.py (torch, vLLM's offloading modules) only when a spec
+    is built: this runs in every process."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    name, module, cls = OFFLOAD_SPEC
-    if name not in OffloadingSpecFactory._registry:
-        OffloadingSpecFactory.register_spec(name, module, cls)
+    for name, module, cls in OFFLOAD_SPECS:
+        if name not in OffloadingSpecFactory._registry:
+            OffloadingSpecFactory.register_spec(name, module, cls)

@@ -37,7 +37,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
     TransferResult,
 )
+from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from vllm_gaudi_platform.seam import backend
 
@@ -47,22 +49,37 @@ logger = init_logger(__name__)
 class HpuOffloadingWorker(OffloadingWorker):
     """Moves whole block pages between the HPU KV cache and host chunks, one job at a time."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int, num_chunks: int):
+    def __init__(
+        self,
+        kv_caches: CanonicalKVCaches,
+        blocks_per_chunk: int,
+        num_chunks: int,
+        region: SharedOffloadRegion | None = None,
+    ):
         self.blocks_per_chunk = blocks_per_chunk
         self.device = [t.tensor for t in kv_caches.tensors]
         self.refs = kv_caches.group_data_refs
-        # Host chunks: per canonical tensor, [chunks, blocks_per_chunk, padded page] bytes.
+        # Host chunks: per canonical tensor, [chunks, blocks_per_chunk, padded page] bytes. With
+        # a shared region (the tiered spec) each is a strided view of the worker's cell of every
+        # chunk row, which the scheduler's secondary tiers read and write as whole rows.
+        self.region = region
         self.host = [
-            torch.zeros(num_chunks, blocks_per_chunk, t.page_size_bytes, dtype=torch.int8)
+            self._host_tensor(num_chunks, blocks_per_chunk, t.page_size_bytes)
             for t in kv_caches.tensors
         ]
         self._finished: list[TransferResult] = []
         logger.debug(
-            "HPU KV offload worker: %d host chunks of %d blocks, %.1f MiB host memory",
+            "HPU KV offload worker: %d host chunks of %d blocks, %.1f MiB host memory%s",
             num_chunks,
             blocks_per_chunk,
             sum(h.numel() for h in self.host) / 2**20,
+            " (shared region)" if region is not None else "",
         )
+
+    def _host_tensor(self, chunks: int, blocks: int, page: int) -> torch.Tensor:
+        if self.region is None:
+            return torch.zeros(chunks, blocks, page, dtype=torch.int8)
+        return self.region.create_next_worker_view(blocks * page).view(chunks, blocks, page)
 
     def _pairs(self, device_spec: GPULoadStoreSpec, chunks: np.ndarray):
         """Per KV-cache group: its device block ids, and the (chunk, slot) of each in host
@@ -90,19 +107,21 @@ class HpuOffloadingWorker(OffloadingWorker):
         moved = 0
         kernels = backend()
         for group, blocks, host_chunks, slots in self._pairs(device_spec, chunks):
-            # Host pages by row of the [chunks * blocks_per_chunk, page] view.
-            rows = torch.from_numpy(host_chunks * self.blocks_per_chunk + slots)
-            index = torch.from_numpy(blocks.astype(np.int64))
-            for ref in self.refs[group]:
-                size = ref.page_size_bytes
-                device = self.device[ref.tensor_idx][:, :size]
-                host = self.host[ref.tensor_idx]
-                host = host.view(-1, host.shape[-1])[:, :size]
-                if store:
-                    kernels.copy_blocks(device, host, index, rows)
-                else:
-                    kernels.copy_blocks(host, device, rows, index)
-                moved += len(blocks) * ref.page_size_bytes
+            # One copy per slot within a chunk: host[:, slot] is a [chunks, page] tensor with
+            # one stride between chunks, whether the chunks are ours or rows of a shared region.
+            for slot in np.unique(slots):
+                mine = slots == slot
+                rows = torch.from_numpy(host_chunks[mine])
+                index = torch.from_numpy(blocks[mine].astype(np.int64))
+                for ref in self.refs[group]:
+                    size = ref.page_size_bytes
+                    device = self.device[ref.tensor_idx][:, :size]
+                    host = self.host[ref.tensor_idx][:, slot, :size]
+                    if store:
+                        kernels.copy_blocks(device, host, index, rows)
+                    else:
+                        kernels.copy_blocks(host, device, rows, index)
+                    moved += len(index) * size
         self._finished.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
         return True
 
@@ -124,18 +143,52 @@ class HpuOffloadingWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.host = []
+        if self.region is not None:
+            self.region.cleanup()
+            self.region = None
 
 
-class HpuCPUOffloadingSpec(CPUOffloadingSpec):
-    """vLLM's CPU offloading (host-chunk manager, eviction policy, metrics) with the HPU worker."""
+class _HpuWorkerMixin:
+    """The worker half shared by both HPU specs: vLLM's `get_worker` refuses every platform but
+    CUDA and XPU; this one builds the HPU worker once per process."""
 
     _hpu_worker: HpuOffloadingWorker | None = None
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        # vLLM's own refuses every platform but CUDA and XPU; this one serves the HPU.
         if self._hpu_worker is None:
-            self._hpu_worker = self.create_worker(kv_caches)
+            self._hpu_worker = self.create_worker(kv_caches)  # type: ignore[attr-defined]
         return self._hpu_worker
+
+
+class HpuCPUOffloadingSpec(_HpuWorkerMixin, CPUOffloadingSpec):
+    """vLLM's CPU offloading (host-chunk manager, eviction policy, metrics) with the HPU worker."""
 
     def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
         return HpuOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks)
+
+
+class HpuTieringOffloadingSpec(_HpuWorkerMixin, TieringOffloadingSpec):
+    """vLLM's tiered offloading with the HPU worker: host memory as the primary tier and the
+    secondary tiers of `secondary_tiers` (for example `{"type": "fs", "root_dir": ...}`, block
+    files on disk) behind it. The secondary tiers run in the scheduler and move whole chunk rows
+    between the shared host region and their medium, so the worker's host chunks must live in
+    that region: each rank maps it and copies into its own cell of every row."""
+
+    def create_worker(self, kv_caches: CanonicalKVCaches) -> Any:
+        if self.config.canonical_layout:
+            raise ValueError(
+                "HpuTieringOffloadingSpec stores the HPU's own block layout; remove "
+                "canonical_layout from kv_connector_extra_config"
+            )
+        region = SharedOffloadRegion(
+            engine_id=self._engine_id,
+            num_chunks=self.num_chunks,
+            rank=0 if self.replicated_layout else self.config.parallel.rank,
+            kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+            cpu_page_size=self.cpu_page_size_per_worker,
+        )
+        try:
+            return HpuOffloadingWorker(kv_caches, self.blocks_per_chunk, self.num_chunks, region)
+        except Exception:
+            region.cleanup()
+            raise
