@@ -12,7 +12,12 @@ the HPU KV cache and host chunks.
 - `HpuTieringOffloadingSpec` with vLLM's file tier behind a small host tier: the worker's host
   chunks are its cells of the shared region's rows, which the file tier writes to disk and reads
   back; a prefix evicted from the device and from host memory comes back from its block files,
-  and a fresh engine on the same directory serves it from them too.
+  and a fresh engine on the same directory serves it from them too;
+- a request aborted while its prefix is being loaded from host memory (a worker whose copies
+  complete steps after submission, as on a device with a copy engine): its device blocks stay
+  held until the load lands, then every device block and host chunk is free again, and the
+  requests served beside it (one with the same prefix, two that need the freed blocks) generate
+  what transformers does. A worker that reported its loads before copying fails this.
 """
 
 from __future__ import annotations
@@ -223,6 +228,16 @@ def _prompts():
     return [first, fillers, again]
 
 
+def _abort_round(rounds):
+    """The aborted prompt (the shared prefix, loaded from host memory), then the prompts served
+    beside the abort: the prefix again, and two of 4 blocks each, which with the others need more
+    than the 11 usable device blocks, so one waits for blocks the aborted prompt frees."""
+    rng = random.Random(1)
+    prefix = rounds[0][0][:300]
+    fresh = [[rng.randrange(3, 500) for _ in range(400)] for _ in range(2)]
+    return [[*prefix, 7, 8, 9, 10, 11], rounds[2][0], *fresh]
+
+
 def _offloading(cpu_bytes: int, files: Path | None = None) -> dict:
     extra: dict = {"spec_name": "HpuCPUOffloadingSpec", "cpu_bytes_to_use": cpu_bytes}
     if files is not None:
@@ -262,6 +277,17 @@ def engines(tmp_path_factory) -> dict[str, dict]:
             ("file-tier-restart", 6 * BLOCK_BYTES, files, rounds[-1:]),
         )
     }
+    abort_round = _abort_round(rounds)
+    deferred = _offloading(64 << 20)
+    deferred["kv_connector_extra_config"].update(
+        spec_name="DeferredHpuCPUOffloadingSpec", spec_module_path="tests.connectors.offload_job"
+    )
+    jobs["abort"] = {
+        **jobs["host-memory"],
+        "engine": {**SMALL_CACHE, "kv_transfer_config": deferred},
+        "rounds": [*rounds[:2], abort_round],
+        "abort": True,
+    }
     proc = run_job(JOB, json.dumps(jobs), {"PYTHONPATH": str(REPO)})
     results = named_job_outputs(proc)
     if set(results) != set(jobs):
@@ -269,6 +295,7 @@ def engines(tmp_path_factory) -> dict[str, dict]:
     reference = [hf_greedy(model, r, MAX_TOKENS) for r in rounds]
     results["reference"] = {"rounds": reference}
     results["reference-restart"] = {"rounds": reference[-1:]}
+    results["reference-abort"] = {"rounds": [hf_greedy(model, abort_round[1:], MAX_TOKENS)]}
     return results
 
 
@@ -288,10 +315,12 @@ def test_an_evicted_prefix_comes_back_from_host_memory(engines):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name", ["host-memory", "host-full", "file-tier", "file-tier-restart"])
+@pytest.mark.parametrize(
+    "name", ["host-memory", "host-full", "file-tier", "file-tier-restart", "abort"]
+)
 def test_offloaded_serving_generates_what_transformers_does(engines, name):
-    ours = engines[name]["rounds"]
-    ref = engines["reference-restart" if name.endswith("restart") else "reference"]["rounds"]
+    reference = {"file-tier-restart": "reference-restart", "abort": "reference-abort"}
+    ours, ref = engines[name]["rounds"], engines[reference.get(name, "reference")]["rounds"]
     for i, (a, b) in enumerate(zip(ours, ref, strict=True)):
         assert assert_close(a, b, f"{name} round {i}") == 0
 
@@ -324,3 +353,21 @@ def test_a_fresh_engine_serves_a_prefix_from_the_files_of_an_earlier_one(engines
     [counters] = engines["file-tier-restart"]["counters"]
     assert counters["vllm:kv_offload_tiering_read_bytes"] == PREFIX_BLOCKS * BLOCK_BYTES
     assert counters["vllm:external_prefix_cache_hits"] == PREFIX_BLOCKS * 128
+
+
+@pytest.mark.engine
+def test_a_request_aborted_mid_load_frees_everything_once_the_load_lands(engines):
+    result = engines["abort"]
+    in_flight, after = result["in_flight"], result["after"]
+    # Caught mid-transfer: its load submitted, not complete; its prefix's host chunks pinned.
+    assert in_flight["loads"] == 1
+    assert in_flight["vllm:kv_offload_cpu_cache_usage_perc"] > 0
+    assert in_flight["vllm:kv_cache_usage_perc"] > 0
+    # Every copy ran; no host chunk is pinned and no device block held once all is served.
+    assert after["queued"] == 0 and after["submitted"] == after["completed"] > 1
+    assert after["vllm:kv_offload_cpu_cache_usage_perc"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert result["finished"] == ["other-0", "other-1", "other-2"]
+    # The aborted load and the same prefix served again beside it, both from host memory.
+    assert after["vllm:external_prefix_cache_hits"] == 2 * PREFIX_BLOCKS * 128
+    assert after["vllm:kv_offload_load_bytes"] == 2 * PREFIX_BLOCKS * BLOCK_BYTES
