@@ -275,6 +275,15 @@ SHARED_GROUPS = {
         ),
         "architectures",
     ),
+    # NIXL deployments (vLLM servers over loopback): one after the other, on one worker, so
+    # their starts and handshakes do not compete with each other for the two cores
+    **dict.fromkeys(
+        (
+            "tests/connectors/test_nixl_1p1d.py",
+            "tests/connectors/test_nixl_heterogeneous.py",
+        ),
+        "nixl",
+    ),
     # the session's built wheels (tests/packaging/conftest.py: dist_dir, isolated_venv)
     **dict.fromkeys(
         (

@@ -15,7 +15,10 @@ import pytest
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
     NixlBaseConnectorScheduler,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+)
 
 from tests.connectors import cluster
 from vllm_gaudi_connectors.nixl import (
@@ -118,12 +121,36 @@ def _worker(enforce_compat_hash: bool = True, use_host_buffer: bool = False):
     worker.compatibility_fields = dict(LOCAL)
     worker.enforce_compat_hash = enforce_compat_hash
     worker.use_host_buffer = use_host_buffer
+    worker.block_size = 128
+    worker.block_len_per_layer = [BLOCK_BYTES, BLOCK_BYTES]
     return worker
 
 
-def _payload(fields: dict[str, str] | None) -> NixlHandshakePayload:
+BLOCK_BYTES = 2 * 128 * 2 * 64 * 4  # keys and values of 128 tokens, 2 heads of 64, float32
+
+
+def _agent(backend: str = "FLASH_ATTN", block_size: int = 128, block_bytes: int = BLOCK_BYTES):
+    """A plain vLLM peer's agent metadata, as another platform's NixlConnector sends it."""
+    meta = NixlAgentMetadata(
+        engine_id="remote",
+        agent_metadata=b"agent",
+        kv_caches_base_addr=[0, 0],
+        device_id=0,
+        num_blocks=16,
+        block_lens=[block_bytes, block_bytes],
+        block_strides=[block_bytes, block_bytes],
+        kv_cache_layout="LBHNC",
+        block_size=block_size,
+        ssm_sizes=(0, 0),
+        attn_backend_name=backend,
+        physical_blocks_per_logical_kv_block=1,
+    )
+    return msgspec.msgpack.encode(meta)
+
+
+def _payload(fields: dict[str, str] | None, agent: bytes | None = None) -> NixlHandshakePayload:
     if fields is None:
-        return NixlHandshakePayload("hash", b"agent")
+        return NixlHandshakePayload("hash", agent if agent is not None else _agent())
     return HpuNixlHandshakePayload("hash", b"agent", compatibility_fields=fields)
 
 
@@ -146,6 +173,33 @@ def test_hashed_fields_are_not_compared_when_the_user_disabled_vllms_check():
         _worker(enforce_compat_hash=False)._check_remote_compatibility("127.0.0.1", port, 1, 1)
 
 
-def test_a_peer_without_compatibility_fields_is_left_to_vllms_hash_check():
+def test_another_platforms_peer_with_the_same_blocks_passes():
+    # A plain NixlConnector (no compatibility fields): its agent metadata is compared.
     with _vllm_listener(_payload(None)) as port:
-        _worker()._check_remote_compatibility("127.0.0.1", port, 1, 1)
+        _worker(use_host_buffer=True)._check_remote_compatibility("127.0.0.1", port, 1, 1)
+
+
+def test_a_cpu_backend_prefill_instance_is_refused_naming_its_backend():
+    refused = pytest.raises(RuntimeError, match=r"CPU attention backend \(CPU_ATTN\)")
+    with _vllm_listener(_payload(None, _agent("CPU_ATTN"))) as port, refused:
+        _worker(use_host_buffer=True)._check_remote_compatibility("127.0.0.1", port, 1, 1)
+
+
+def test_another_platforms_peer_with_other_blocks_is_refused_field_by_field():
+    token_bytes = BLOCK_BYTES // 128
+    agent = _agent(block_size=64, block_bytes=BLOCK_BYTES // 4)  # half the bytes per token
+    with _vllm_listener(_payload(None, agent)) as port, pytest.raises(RuntimeError) as refused:
+        _worker(use_host_buffer=True)._check_remote_compatibility("127.0.0.1", port, 1, 1)
+    message = str(refused.value)
+    assert "(FLASH_ATTN) refused" in message
+    assert "block_size: local 128, remote 64" in message
+    assert f"head size x 2): local {token_bytes}, remote {token_bytes // 2}" in message
+
+
+def test_another_block_size_alone_passes_when_nixl_reads_the_cache_directly():
+    # vLLM moves blocks of different sizes device to device; the bytes per token agree.
+    agent = _agent(block_size=64, block_bytes=BLOCK_BYTES // 2)
+    with _vllm_listener(_payload(None, agent)) as port:
+        _worker(use_host_buffer=False)._check_remote_compatibility("127.0.0.1", port, 1, 1)
+        with pytest.raises(RuntimeError, match="block_size: local 128, remote 64"):
+            _worker(use_host_buffer=True)._check_remote_compatibility("127.0.0.1", port, 1, 1)

@@ -608,6 +608,16 @@ UPSTREAM: tuple[Upstream, ...] = (
         "CompressedTensorsConfig._check_scheme_supported",
         "HpuCompressedTensorsConfig._check_scheme_supported (no CUDA capability check on HPU)",
     ),
+    Upstream(
+        f"{NIXL}.metadata:NixlAgentMetadata",
+        "HpuNixlConnectorWorker checks another platform's prefill instance with these fields",
+        mentions=("block_lens", "block_size", "attn_backend_name"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.initialize_host_xfer_buffer",
+        "an HPU prefill instance serving another platform: head-major host buffers (README)",
+        mentions=("enable_permute_local_kv", "LBHNC", "host_buffer_kv_cache_layout"),
+    ),
     # --- connectors wheel (offload.py) ----------------------------------------------------------
     Upstream(
         "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec.create_worker",

@@ -22,7 +22,12 @@ overrides only what differs on HPU:
   cache dtype, hybrid KV manager, transfer mode) and, on a mismatch, names two hashes; with host
   staging it stops at a different block size on a bare assert. Our handshake payload carries the
   factors themselves (and the block size), and the decode side compares them before vLLM's check,
-  so the error names each differing field with both values.
+  so the error names each differing field with both values. A peer on another platform (vLLM's
+  plain NixlConnector sends no such fields) is checked on what its agent metadata says: its
+  block size (with host staging) and bytes per token; a prefill instance on vLLM's CPU backend
+  is refused, naming it (its cache holds its kernel's packed blocks). An HPU prefill instance
+  serves another platform's decode instance with vLLM's `enable_permute_local_kv`, which makes
+  its host buffers head-major (LBHNC).
 
 Start instances with `--kv-transfer-config '{"kv_connector": "HpuNixlConnector", ...}'`.
 """
@@ -44,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     GET_META_MSG,
     NIXL_CONNECTOR_VERSION,
+    NixlAgentMetadata,
     NixlHandshakePayload,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
@@ -181,6 +187,44 @@ def check_handshake_compatibility(
         )
 
 
+# vLLM's CPU attention backend: its KV cache holds blocks in that kernel's packed, ISA-dependent
+# order, which vLLM converts only when a CPU instance receives (CpuPlatform.pack_kv_cache).
+CPU_ATTN = "CPU_ATTN"
+
+
+def check_foreign_peer(
+    local: Mapping[str, int], remote: NixlAgentMetadata, host_staging: bool, remote_at: str
+) -> None:
+    """Refuse a prefill instance of another platform (a plain NixlConnector, which sends no
+    compatibility fields) whose blocks this decode instance cannot read, naming what differs.
+    Across platforms the attention backends differ, so vLLM's compatibility hash always differs
+    and must be switched off (`enforce_handshake_compat: false`); these checks remain."""
+    if remote.attn_backend_name == CPU_ATTN:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME}: NIXL handshake with {remote_at} refused: it runs vLLM's CPU "
+            f"attention backend ({CPU_ATTN}), whose KV cache holds that kernel's packed blocks, "
+            "which vLLM converts only on a CPU instance that receives them. Make the CPU "
+            'instance the decode side ("kv_role": "kv_consumer") and this one the prefill '
+            'side, with "enable_permute_local_kv": true in its --kv-transfer-config.'
+        )
+    differences = []
+    if host_staging and remote.block_size != local["block_size"]:
+        differences.append(f"block_size: local {local['block_size']}, remote {remote.block_size}")
+    # Per token: vLLM moves blocks of different sizes when NIXL reads the cache directly.
+    local_bytes = local["block_bytes"] / local["block_size"]
+    if remote.block_lens and remote.block_lens[0] / remote.block_size != local_bytes:
+        differences.append(
+            f"bytes per token and layer (dtype x KV heads x head size x 2): local "
+            f"{local_bytes:g}, remote {remote.block_lens[0] / remote.block_size:g}"
+        )
+    if differences:
+        raise RuntimeError(
+            f"{CONNECTOR_NAME}: NIXL handshake with {remote_at} ({remote.attn_backend_name}) "
+            f"refused, the two instances' KV blocks differ: {'; '.join(differences)}. Start "
+            "both with the same model, --dtype, --kv-cache-dtype and --block-size."
+        )
+
+
 @dataclasses.dataclass
 class HpuNixlHandshakePayload(NixlHandshakePayload):
     """vLLM's handshake payload plus the compatibility fields themselves. vLLM's decoder ignores
@@ -271,8 +315,14 @@ class HpuNixlConnectorWorker(NixlPullConnectorWorker):
             self.compatibility_fields,
             remote.compatibility_fields,
         )
+        remote_at = f"the instance at {host}:{port}"
         if remote.compatibility_fields is None:
-            return  # a peer without HpuNixlConnector: vLLM's hash check alone decides
+            # A peer without HpuNixlConnector (another platform's vLLM): its agent metadata
+            # says what its blocks are.
+            local = {"block_size": self.block_size, "block_bytes": self.block_len_per_layer[0]}
+            meta = msgspec.msgpack.Decoder(NixlAgentMetadata).decode(remote.agent_metadata_bytes)
+            check_foreign_peer(local, meta, self.use_host_buffer, remote_at)
+            return
         fields: tuple[str, ...] = HASHED_FIELDS if self.enforce_compat_hash else ()
         if self.use_host_buffer:
             fields += (BLOCK_SIZE_FIELD,)
@@ -280,7 +330,7 @@ class HpuNixlConnectorWorker(NixlPullConnectorWorker):
             self.compatibility_fields,
             remote.compatibility_fields,
             fields,
-            remote_at=f"the instance at {host}:{port}",
+            remote_at=remote_at,
         )
 
 

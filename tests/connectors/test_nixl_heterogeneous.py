@@ -1,0 +1,163 @@
+"""Prefill on the HPU platform, decode on vLLM's own CPU backend, through NIXL (real NIXL over
+loopback, UCX backend), and the reverse refused by name.
+
+Two instances, each both producer and consumer (`kv_both`), float32, 128-token blocks:
+- `hpu`: the HPU platform in CPU emulation with `HpuNixlConnector`, host staging
+  (`kv_buffer_device` "cpu") and vLLM's `enable_permute_local_kv`, which makes its staging buffers
+  head-major (LBHNC): the order the CPU backend's KV cache takes its blocks in, so NIXL moves
+  them as they are. `kv_load_failure_policy` "recompute".
+- `cpu`: vLLM's CPU platform (no `VLLM_HPU_EMULATION`: the HPU platform plugin stands aside) with
+  vLLM's `NixlConnector`, which reads the blocks straight into its KV cache and converts them to
+  its attention kernel's order (vLLM's heterogeneous-attention post-processing). The two
+  platforms' attention backends differ, so vLLM's compatibility hash does too and is switched off
+  (`enforce_handshake_compat: false`); the checks that remain are the layout and block bytes
+  (vLLM's, on the CPU side) and ours on the HPU side.
+
+HPU prefill with CPU decode generates what transformers does, with every prompt block moved by
+NIXL. CPU prefill with HPU decode cannot work (the CPU backend's cache holds its kernel's packed
+blocks, which vLLM converts only on receipt by a CPU instance): the HPU instance refuses the
+handshake naming the CPU backend, and recomputes the prompts, with the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.connectors import cluster
+from tests.integration.generation import hf_greedy
+from vllm_gaudi_platform.testing import tinymodels
+
+pytestmark = pytest.mark.engine
+
+MAX_TOKENS = 8
+DTYPE = "float32"  # as the 1P1D module: bf16 rounding flips near-tied greedy tokens
+# Tiny Llama: 2 layers x (key + value) x 128 token slots x 2 KV heads x 32 dims x 4 bytes.
+BLOCK_BYTES = 2 * 2 * cluster.BLOCK_SIZE * 2 * 32 * 4
+BYTES = "vllm:nixl_bytes_transferred_sum"
+STAGED = "vllm:hpu_kv_staged_bytes_total"
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 250) for _ in range(n)] for n in (40, 130, 300, 700)]
+
+
+HPU_TO_CPU = _prompts(0)
+CPU_TO_HPU = _prompts(1)
+
+
+@dataclass
+class Pair:
+    hpu: cluster.Server
+    cpu: cluster.Server
+    hpu_to_cpu: cluster.Server  # proxy: prefill on hpu, decode on cpu
+    cpu_to_hpu: cluster.Server  # proxy: prefill on cpu, decode on hpu
+    reference: list[list[int]]  # transformers' greedy tokens, HPU_TO_CPU then CPU_TO_HPU
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Iterator[Pair]:
+    model = str(tinymodels.build("llama"))
+    logs = tmp_path_factory.mktemp("hetero")
+    hpu_config = cluster.kv_transfer_config(
+        "kv_both", enable_permute_local_kv=True, kv_load_failure_policy="recompute"
+    )
+    cpu_config = json.dumps(
+        {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            "kv_connector_extra_config": {"enforce_handshake_compat": False},
+        }
+    )
+    side_channel = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port())}
+    # One unbound OpenMP thread that sleeps when idle: vLLM's CPU backend otherwise binds its
+    # threads to the cores and spins on them, and on a 2-core machine the HPU instance's
+    # handshake listener then misses the CPU instance's 5 s handshake deadline.
+    cpu_env = cluster.base_env(
+        {
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(cluster.free_port()),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": "PASSIVE",
+        }
+    )
+    del cpu_env["VLLM_HPU_EMULATION"]
+    hpu = cluster.start_vllm(
+        "hpu", model, logs, kv_config=hpu_config, env=cluster.base_env(side_channel), dtype=DTYPE
+    )
+    cpu = cluster.start_vllm(
+        "cpu",
+        model,
+        logs,
+        kv_config=cpu_config,
+        env=cpu_env,
+        dtype=DTYPE,
+        # Eager: vLLM's CPU backend would compile the model at start (half a minute here).
+        extra_args=["--block-size", str(cluster.BLOCK_SIZE), "--enforce-eager"],
+    )
+    proxies = []
+    for name, prefill, decode in (("hpu-to-cpu", hpu, cpu), ("cpu-to-hpu", cpu, hpu)):
+        (logs / name).mkdir()
+        proxies.append(cluster.start_proxy([prefill.url], [decode.url], logs / name, 60))
+    servers = [hpu, cpu, *proxies]
+    try:
+        # transformers' tokens while the servers start
+        reference = hf_greedy(model, HPU_TO_CPU + CPU_TO_HPU, MAX_TOKENS)
+        cluster.wait_ready(*servers)
+        yield Pair(hpu, cpu, *proxies, reference=[r["tokens"] for r in reference])
+    finally:
+        for server in servers:
+            server.stop(signal.SIGKILL)  # nothing to shut down gracefully
+
+
+def _generate(proxy: cluster.Server, prompts: list[list[int]]) -> list[list[int]]:
+    tokens = []
+    for prompt in prompts:
+        body = {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        answer = httpx.post(proxy.url + "/v1/completions", json=body, timeout=180, trust_env=False)
+        assert answer.status_code == 200, answer.text
+        tokens.append(answer.json()["choices"][0]["token_ids"])
+    return tokens
+
+
+def _settled(url: str, name: str, **labels: str) -> float:
+    """A metric once two reads in a row agree (transfer stats arrive a step late)."""
+    value = cluster.metric_sum(url, name, **labels)
+    while True:
+        time.sleep(0.3)
+        again = cluster.metric_sum(url, name, **labels)
+        if again == value:
+            return value
+        value = again
+
+
+def test_hpu_prefill_with_cpu_backend_decode_generates_what_transformers_does(pair):
+    assert _generate(pair.hpu_to_cpu, HPU_TO_CPU) == pair.reference[: len(HPU_TO_CPU)]
+    # Every block of every prompt staged out of the HPU cache and read by the CPU instance.
+    blocks = sum(math.ceil(len(p) / cluster.BLOCK_SIZE) for p in HPU_TO_CPU)
+    assert _settled(pair.cpu.url, BYTES) == blocks * BLOCK_BYTES
+    assert _settled(pair.hpu.url, STAGED, direction="to_host") == blocks * BLOCK_BYTES
+
+
+def test_cpu_backend_prefill_is_refused_by_name_and_the_hpu_recomputes(pair):
+    assert _generate(pair.cpu_to_hpu, CPU_TO_HPU) == pair.reference[len(HPU_TO_CPU) :]
+    log = pair.hpu.log_tail(200_000)
+    assert "refused: it runs vLLM's CPU attention backend (CPU_ATTN)" in log
+    assert _settled(pair.hpu.url, BYTES) == 0  # nothing was read from the CPU instance
+    assert _settled(pair.hpu.url, STAGED, direction="to_device") == 0
