@@ -39,6 +39,8 @@ MAX_TOKENS = 6
 # The tiny Llama: 2 layers x 128 tokens x 2 KV heads x (keys + values of 32) x 4 bytes.
 BLOCK_BYTES = 2 * 128 * 2 * 64 * 4
 PREFIX_BLOCKS = 2  # full blocks of the shared 300-token prefix
+FP8_BLOCK_BYTES = BLOCK_BYTES // 4
+BIG_CACHE = {"kv_cache_memory_bytes": 64 << 20}
 
 
 def _worker_caches(pages=(256, 384), num_blocks=16, seed=0):
@@ -288,6 +290,15 @@ def engines(tmp_path_factory) -> dict[str, dict]:
         "rounds": [*rounds[:2], abort_round],
         "abort": True,
     }
+    # An FP8 KV cache (one byte per element: 4x the blocks in the same memory), with the
+    # same rounds on an FP8 engine whose cache holds everything as its reference.
+    fp8 = {**SMALL_CACHE, "kv_cache_dtype": "fp8_inc"}
+    fp8["kv_cache_memory_bytes"] = 12 * FP8_BLOCK_BYTES + FP8_BLOCK_BYTES // 2
+    jobs["fp8"] = {
+        **jobs["host-memory"],
+        "engine": {**fp8, "kv_transfer_config": _offloading(64 << 20)},
+    }
+    jobs["fp8-reference"] = {**jobs["host-memory"], "engine": {**fp8, **BIG_CACHE}}
     proc = run_job(JOB, json.dumps(jobs), {"PYTHONPATH": str(REPO)})
     results = named_job_outputs(proc)
     if set(results) != set(jobs):
@@ -312,6 +323,20 @@ def test_an_evicted_prefix_comes_back_from_host_memory(engines):
     assert _delta(result, "vllm:external_prefix_cache_hits") == PREFIX_BLOCKS * 128
     assert _delta(result, "vllm:kv_offload_load_bytes") == PREFIX_BLOCKS * BLOCK_BYTES
     assert result["counters"][0]["vllm:kv_offload_store_bytes"] >= PREFIX_BLOCKS * BLOCK_BYTES
+
+
+@pytest.mark.engine
+def test_an_fp8_kv_cache_is_offloaded_and_loaded_back_byte_for_byte(engines):
+    result, reference = engines["fp8"], engines["fp8-reference"]
+    assert _delta(result, "vllm:prefix_cache_hits") == 0
+    assert _delta(result, "vllm:external_prefix_cache_hits") == PREFIX_BLOCKS * 128
+    assert _delta(result, "vllm:kv_offload_load_bytes") == PREFIX_BLOCKS * FP8_BLOCK_BYTES
+    # The reference kept the prefix on the device: the same FP8 bytes, the same tokens. (Not
+    # the fillers: the small cache batches them otherwise, and where a prompt's chunks fall
+    # changes which keys an FP8 cache has rounded.)
+    assert _delta(reference, "vllm:prefix_cache_hits") == PREFIX_BLOCKS * 128
+    for i in (0, 2):
+        assert result["rounds"][i] == reference["rounds"][i]
 
 
 @pytest.mark.engine
