@@ -268,3 +268,15 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
         if all(label in series for label in wanted):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def settled_metric(url: str, name: str, **labels: str) -> float:
+    """`metric_sum` once two reads in a row agree (an engine reports transfer stats a step
+    late)."""
+    value = metric_sum(url, name, **labels)
+    while True:
+        time.sleep(0.3)
+        again = metric_sum(url, name, **labels)
+        if again == value:
+            return value
+        value = again

@@ -131,17 +131,6 @@ def _token_ids(answer: httpx.Response) -> list[int]:
     return answer.json()["choices"][0]["token_ids"]
 
 
-def _settled(url: str, name: str, **labels: str) -> float:
-    """A metric once two reads in a row agree (the engine reports transfer stats a step late)."""
-    value = cluster.metric_sum(url, name, **labels)
-    while True:
-        time.sleep(0.3)
-        again = cluster.metric_sum(url, name, **labels)
-        if again == value:
-            return value
-        value = again
-
-
 def _prefill_only(prefill: cluster.Server, prompt: list[int]) -> dict:
     """What the proxy's first leg does: prefill `prompt`, keep its blocks for a remote decode."""
     answer = _complete(
@@ -241,9 +230,9 @@ def _counters(prefill: cluster.Server, decode: cluster.Server) -> tuple[float, f
     """Bytes so far: NIXL moved to the decode instance, staged out of the prefill instance's KV
     cache, staged into the decode instance's."""
     return (
-        _settled(decode.url, BYTES),
-        _settled(prefill.url, STAGED, direction="to_host"),
-        _settled(decode.url, STAGED, direction="to_device"),
+        cluster.settled_metric(decode.url, BYTES),
+        cluster.settled_metric(prefill.url, STAGED, direction="to_host"),
+        cluster.settled_metric(decode.url, STAGED, direction="to_device"),
     )
 
 
@@ -365,12 +354,12 @@ def test_device_to_device_moves_the_kv_cache_without_staging(deployment):
     prefill, decode = deployment.direct_prefill, deployment.direct_decode
     prompts = PROMPTS[:4]
     outputs, moved = [], []
-    before = _settled(decode.url, BYTES)
+    before = cluster.settled_metric(decode.url, BYTES)
     for prompt in prompts:
         outputs.append(
             _token_ids(_disaggregated_once_more_after_a_handshake_timeout(prefill, decode, prompt))
         )
-        after = _settled(decode.url, BYTES)
+        after = cluster.settled_metric(decode.url, BYTES)
         moved.append((after - before) / BLOCK_BYTES)
         before = after
 
@@ -436,7 +425,9 @@ def test_decode_recomputes_a_request_whose_prefill_instance_died(deployment):
 
     assert _token_ids(orphan) == deployment.reference_orphan
     assert elapsed < 30
-    assert _settled(decode.url, FAILED) > failed  # the blocks were not read: recomputed
+    assert (
+        cluster.settled_metric(decode.url, FAILED) > failed
+    )  # the blocks were not read: recomputed
     assert _token_ids(_complete(decode.url, AFTER)) == deployment.reference_after
 
 

@@ -25,7 +25,6 @@ import json
 import math
 import random
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -136,28 +135,19 @@ def _generate(proxy: cluster.Server, prompts: list[list[int]]) -> list[list[int]
     return tokens
 
 
-def _settled(url: str, name: str, **labels: str) -> float:
-    """A metric once two reads in a row agree (transfer stats arrive a step late)."""
-    value = cluster.metric_sum(url, name, **labels)
-    while True:
-        time.sleep(0.3)
-        again = cluster.metric_sum(url, name, **labels)
-        if again == value:
-            return value
-        value = again
-
-
 def test_hpu_prefill_with_cpu_backend_decode_generates_what_transformers_does(pair):
     assert _generate(pair.hpu_to_cpu, HPU_TO_CPU) == pair.reference[: len(HPU_TO_CPU)]
     # Every block of every prompt staged out of the HPU cache and read by the CPU instance.
     blocks = sum(math.ceil(len(p) / cluster.BLOCK_SIZE) for p in HPU_TO_CPU)
-    assert _settled(pair.cpu.url, BYTES) == blocks * BLOCK_BYTES
-    assert _settled(pair.hpu.url, STAGED, direction="to_host") == blocks * BLOCK_BYTES
+    assert cluster.settled_metric(pair.cpu.url, BYTES) == blocks * BLOCK_BYTES
+    assert cluster.settled_metric(pair.hpu.url, STAGED, direction="to_host") == blocks * BLOCK_BYTES
 
 
 def test_cpu_backend_prefill_is_refused_by_name_and_the_hpu_recomputes(pair):
     assert _generate(pair.cpu_to_hpu, CPU_TO_HPU) == pair.reference[len(HPU_TO_CPU) :]
     log = pair.hpu.log_tail(200_000)
     assert "refused: it runs vLLM's CPU attention backend (CPU_ATTN)" in log
-    assert _settled(pair.hpu.url, BYTES) == 0  # nothing was read from the CPU instance
-    assert _settled(pair.hpu.url, STAGED, direction="to_device") == 0
+    assert (
+        cluster.settled_metric(pair.hpu.url, BYTES) == 0
+    )  # nothing was read from the CPU instance
+    assert cluster.settled_metric(pair.hpu.url, STAGED, direction="to_device") == 0
