@@ -361,10 +361,10 @@ def test_a_full_host_tier_falls_back_to_recomputing(engines):
 def test_a_prefix_evicted_from_host_memory_comes_back_from_its_block_files(engines):
     result = engines["file-tier"]
     prefix_bytes = PREFIX_BLOCKS * BLOCK_BYTES
-    # Everything stored in host memory was written on to disk as well.
-    first, last = result["counters"][0], result["counters"][-1]
-    assert first["vllm:kv_offload_tiering_write_bytes"] >= prefix_bytes
-    assert last["vllm:kv_offload_tiering_write_bytes"] == last["vllm:kv_offload_store_bytes"]
+    # What host memory stores is written on to disk by the file tier's threads, counted when
+    # the scheduler polls them (so a round's counters may not show its own writes yet); the
+    # prefix's were done before it was read back.
+    assert result["counters"][-1]["vllm:kv_offload_tiering_write_bytes"] >= prefix_bytes
     # The prefix's host chunks were reused by the fillers: it is read from the files, then
     # loaded into the device, and counted as external prefix-cache hits.
     assert _delta(result, "vllm:prefix_cache_hits") == 0
