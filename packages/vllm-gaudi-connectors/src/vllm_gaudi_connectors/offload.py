@@ -1,5 +1,5 @@
-"""KV offloading to host memory on the HPU: vLLM's `OffloadingConnector` with a CPU tier whose
-worker copies blocks between the HPU KV cache and host buffers.
+"""KV offloading to host memory (and disk behind it) on the HPU: vLLM's `OffloadingConnector`
+with a CPU tier whose worker copies blocks between the HPU KV cache and host buffers.
 
 vLLM 0.32's CPU spec (`CPUOffloadingSpec`) keeps its scheduler half (the host-chunk manager,
 eviction policy, metrics) platform-free, but its worker refuses any platform other than CUDA and
@@ -14,6 +14,11 @@ so one page is one block of one layer), and per KV-cache group the (tensor, unpa
 of each of its layers. The host side is ours: per tensor [chunks, blocks_per_chunk, page] bytes,
 where a chunk is the unit vLLM's manager allocates (`blocks_per_chunk` device blocks, set by the
 `block_size` or `blocks_per_chunk` of the connector's extra config).
+
+`HpuTieringOffloadingSpec` is the same for vLLM's tiered spec (`TieringOffloadingSpec`), whose
+secondary tiers (the file tier among them) run in the scheduler and move whole chunk rows of a
+shared host region (`SharedOffloadRegion`, one mmap of /dev/shm): there the worker's host chunks
+are strided views of its own cell in every row, and the copies go one chunk slot at a time.
 
 A job names device blocks (grouped per KV-cache group, with the logical index of each group's
 first block, which may fall inside a chunk) and host chunks. Copies run when the job is
