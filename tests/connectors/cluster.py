@@ -280,3 +280,18 @@ def settled_metric(url: str, name: str, **labels: str) -> float:
         if again == value:
             return value
         value = again
+
+
+def complete(
+    url: str, prompt: list[int], *, max_tokens: int = 8, timeout: float = 120, **extra: object
+) -> httpx.Response:
+    """A greedy /v1/completions request for token ids `prompt`, answering with token ids."""
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        **extra,
+    }
+    return httpx.post(url + "/v1/completions", json=body, timeout=timeout, trust_env=False)

@@ -115,15 +115,7 @@ def _blocks_missing(prompts: list[list[int]], block_size: int = cluster.BLOCK_SI
 
 
 def _complete(url: str, prompt: list[int], timeout: float = 120, **extra: object) -> httpx.Response:
-    body = {
-        "model": "m",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "return_token_ids": True,
-        **extra,
-    }
-    return httpx.post(url + "/v1/completions", json=body, timeout=timeout, trust_env=False)
+    return cluster.complete(url, prompt, timeout=timeout, **{"max_tokens": MAX_TOKENS, **extra})
 
 
 def _token_ids(answer: httpx.Response) -> list[int]:

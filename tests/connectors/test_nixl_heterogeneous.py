@@ -122,14 +122,7 @@ def pair(tmp_path_factory) -> Iterator[Pair]:
 
 
 def _answer(proxy: cluster.Server, prompt: list[int]) -> httpx.Response:
-    body = {
-        "model": "m",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "return_token_ids": True,
-    }
-    return httpx.post(proxy.url + "/v1/completions", json=body, timeout=180, trust_env=False)
+    return cluster.complete(proxy.url, prompt, max_tokens=MAX_TOKENS, timeout=180)
 
 
 def _generate(proxy: cluster.Server, prompts: list[list[int]]) -> list[list[int]]:
