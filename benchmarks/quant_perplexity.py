@@ -7,8 +7,9 @@ LM head float), and every model, the float one included, is scored through the H
 CPU emulation (float32 activations) with prompt logprobs over the same held-out windows. The
 ratio quantized/float is the accuracy cost of the format (measured on the 2 x 128 model: 1.0015
 for FP8 W8A8, 1.0034 for calibrated INC FP8 on neural-compressor's CPU path, 1.0029 / 1.0032 on
-its HPU path as Gaudi 2 / Gaudi 3, 1.0053 to 1.0080 for the 4-bit formats); a bug in scales or
-packing shows up as a ratio far above that.
+its HPU path as Gaudi 2 / Gaudi 3, 1.0053 to 1.0080 for the 4-bit integer formats, 1.0111 for
+MXFP4 linears: E2M1 values with one power-of-two scale per 32); a bug in scales or packing shows
+up as a ratio far above that.
 
 INC FP8 has no checkpoint: `vllm-gaudi calibrate` measures the float model over training-text
 paragraphs (never the held-out ones), and the QUANTIZE config it writes runs the float checkpoint
@@ -48,6 +49,7 @@ FORMATS = {
     "gptq g64": "gptq",
     "gptq g32 act-order": "gptq-act-order",
     "wna16 g64 (compressed-tensors)": "ct-wna16-asym",
+    "mxfp4 (compressed-tensors)": "ct-mxfp4",
 }
 INC_FP8 = "inc fp8 (calibrated)"
 # INC on neural-compressor's HPU flow (the one a Gaudi runs: maxabs_hw scales, FP8 GEMMs, the LM

@@ -6,7 +6,8 @@ emulation, vLLM's own CPU backend) runs in its own process through this script:
     python engine_job.py '<json job>'
 
 Job keys: model (path), prompts (lists of token ids), max_tokens, engine (LLM kwargs),
-rounds (how many times to submit the prompts; later rounds hit the prefix cache), stats (bool:
+rounds (how many times to submit the prompts; later rounds hit the prefix cache; each round's
+prompt tokens served from the prefix cache come back as `cached_tokens`), stats (bool:
 also report the HPU runner's recompile statistics, and as `layer_windows` the sliding window each
 attention layer was built with), reallocate_input_ids (bool: then inject a runner bug, a fresh
 input_ids buffer after the graphs were captured, generate once more and report the error as
@@ -40,12 +41,14 @@ def run(job: dict) -> dict:
         temperature=0.0, max_tokens=job["max_tokens"], logprobs=5, ignore_eos=True
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-    rounds = []
+    rounds, cached = [], []
     for _ in range(job.get("rounds", 1)):
         outs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append([completion(o) for o in outs])
+        cached.append([o.num_cached_tokens for o in outs])
     result = {
         "rounds": rounds,
+        "cached_tokens": cached,
         "platform": type(__import__("vllm.platforms").platforms.current_platform).__name__,
     }
     if job.get("stats"):

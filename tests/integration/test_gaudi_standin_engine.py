@@ -3,7 +3,8 @@ memory; tests/habana_standin/engine/sitecustomize.py makes it the process's "Gau
 mode with HPU graphs, against the same engines in emulation: a tiny Llama, a tiny 16-expert
 Mixtral (the MoE kernel; decode steps of one or two sequences gather their routed experts), an
 FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM), a 4-bit checkpoint
-with an FP8 KV cache and a tiny Mamba2 hybrid (GraniteMoeHybrid: the Mamba mixer's state slots
+with an FP8 KV cache, an MXFP4 compressed-tensors checkpoint (weights dequantized per forward)
+and a tiny Mamba2 hybrid (GraniteMoeHybrid: the Mamba mixer's state slots
 and padded rows under HPU graphs). Greedy tokens must agree (near-ties allowed, as everywhere)
 and each engine must resolve the same methods. Every rule the stand-in enforces holds on these
 paths, or the Gaudi job fails.
@@ -34,7 +35,14 @@ MAX_TOKENS = 8
 # Compiled (aot_eager over the stand-in) against the same backend eager: logprobs of the sampled
 # tokens, float32.
 LOGPROB_TOLERANCE = 1e-4
-MODELS = ("llama", "mixtral-16", "ct-fp8-dynamic", "ct-wna16-kv-fp8", "granitemoehybrid")
+MODELS = (
+    "llama",
+    "mixtral-16",
+    "ct-fp8-dynamic",
+    "ct-wna16-kv-fp8",
+    "ct-mxfp4",
+    "granitemoehybrid",
+)
 # The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
 GAUDI_ENV = STANDIN_ENGINE_ENV
 
@@ -54,6 +62,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
             tinymodels.build("llama-soft"), out, fmt, calibration=make_prompts(seed=1)
         )
         paths[fmt] = qdir
+    out = tmp_path_factory.mktemp("ct-mxfp4")
+    paths["ct-mxfp4"], _ = checkpoints.write(tinymodels.build("llama"), out, "ct-mxfp4")
     job = json.dumps(
         {
             "checkpoints": {name: str(paths[name]) for name in MODELS},

@@ -131,7 +131,7 @@ def test_a_state_layer_without_an_hpu_implementation_is_refused_naming_it_and_th
     hybrid.check_state_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # nothing to refuse
 
 
-def _config(speculative=None, prefix_caching=True):
+def _config(speculative=None, prefix_caching=True, chunked_prefill=True):
     from types import SimpleNamespace
 
     return SimpleNamespace(
@@ -140,18 +140,37 @@ def _config(speculative=None, prefix_caching=True):
         ),
         speculative_config=speculative,
         cache_config=SimpleNamespace(
-            enable_prefix_caching=prefix_caching, mamba_cache_mode="align", mamba_block_size=128
+            enable_prefix_caching=prefix_caching,
+            mamba_cache_mode="none",
+            mamba_block_size=None,
+            block_size=128,
         ),
+        scheduler_config=SimpleNamespace(enable_chunked_prefill=chunked_prefill),
     )
 
 
-def test_a_hybrid_config_runs_without_prefix_caching_one_state_per_request():
+def test_a_hybrid_with_prefix_caching_caches_mamba_state_per_block():
     config = _config()
+
+    assert hybrid.check_vllm_config(config) is True
+    cache = config.cache_config
+    assert (cache.enable_prefix_caching, cache.mamba_cache_mode) == (True, "align")
+    assert cache.mamba_block_size == 128
+
+
+def test_a_hybrid_without_prefix_caching_keeps_one_state_per_request():
+    config = _config(prefix_caching=False)
+    config.cache_config.mamba_cache_mode = "align"
 
     assert hybrid.check_vllm_config(config) is True
     cache = config.cache_config
     assert (cache.enable_prefix_caching, cache.mamba_cache_mode) == (False, "none")
     assert cache.mamba_block_size == 512
+
+
+def test_mamba_prefix_caching_without_chunked_prefill_is_refused_naming_both_fixes():
+    with pytest.raises(ValueError, match=r"chunked prefill.*--no-enable-prefix-caching"):
+        hybrid.check_vllm_config(_config(chunked_prefill=False))
 
 
 def test_speculative_decoding_on_a_hybrid_is_refused_naming_the_setting():

@@ -468,6 +468,28 @@ UPSTREAM: tuple[Upstream, ...] = (
             ),
         )
     ),
+    # Mamba prefix caching ("align"): vLLM's runner describes state copies by address and
+    # launches this kernel (state_copies.py stands in for it; hybrid.py states the mode).
+    Upstream(
+        "vllm.v1.worker.mamba_utils:batch_memcpy_kernel",
+        "state_copies.batch_memcpy stands in for it, by name",
+        params=("src_ptrs", "dst_ptrs", "sizes", "BLOCK_SIZE"),
+    ),
+    Upstream(
+        "vllm.v1.worker.mamba_utils:do_mamba_copy_block",
+        "the align-mode copies reach state_copies.batch_memcpy through it",
+        mentions=("batch_memcpy",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.mamba.abstract:MambaBase.get_kv_cache_spec",
+        "HpuMambaMixer2.get_kv_cache_spec (no prefill checkpoint blocks)",
+        params=("vllm_config",),
+    ),
+    Upstream(
+        "vllm.model_executor.layers.mamba.abstract:MambaBase.bind_kv_cache",
+        "hybrid.state_tensors reads the bound states (MambaBase.kv_cache)",
+        mentions=("self.kv_cache",),
+    ),
     # EAGLE drafting (triton_overrides.py EAGLE_KERNELS; spec_decode.py DraftBucketing).
     *(
         Upstream(
@@ -1241,6 +1263,15 @@ def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
     stand_ins = {**triton_overrides.SPEC_DECODE_KERNELS, **triton_overrides.EAGLE_KERNELS}
 
     assert parameter_names(stand_ins[name]) == expected
+
+
+def test_mamba_memcpy_stand_in_takes_the_kernels_parameters_by_name():
+    from vllm_gaudi_platform.runner import state_copies
+
+    expected = parameter_names(resolve("vllm.v1.worker.mamba_utils:batch_memcpy_kernel"))
+    [stand_in] = state_copies.KERNELS.values()
+
+    assert parameter_names(stand_in) == expected
 
 
 def test_guard_reports_a_method_renamed_away_upstream(monkeypatch):

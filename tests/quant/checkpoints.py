@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.quant import mxfp4_packer
 from tests.quant import packers as P
 
 LINEARS = (
@@ -57,6 +58,12 @@ def _fp8(per_channel: bool) -> Make:
     return make
 
 
+def _mxfp4(w: torch.Tensor, seed: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    packed, scales = mxfp4_packer.quantize(w)
+    tensors = {"weight_packed": packed, "weight_scale": scales}
+    return tensors, mxfp4_packer.dequantize(packed, scales)
+
+
 FORMATS: dict[str, tuple[dict, Make]] = {
     "awq": (P.awq_config(32), _int4(32, P.pack_awq, sym=False)),
     "gptq": (
@@ -72,6 +79,7 @@ FORMATS: dict[str, tuple[dict, Make]] = {
         _int4(64, lambda qt: P.pack_ct_wna16(qt, sym=False), sym=False),
     ),
     "ct-fp8-dynamic": (P.ct_fp8_config(per_channel=True, dynamic=True), _fp8(per_channel=True)),
+    "ct-mxfp4": (P.ct_mxfp4_config(), _mxfp4),
 }
 
 

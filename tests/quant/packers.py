@@ -211,3 +211,33 @@ def ct_fp8_config(*, per_channel: bool, dynamic: bool) -> dict:
         },
         "ignore": ["lm_head"],
     }
+
+
+MXFP4_ARGS = {
+    "num_bits": 4,
+    "type": "float",
+    "symmetric": True,
+    "strategy": "group",
+    "group_size": 32,
+    "scale_dtype": "torch.uint8",
+    "zp_dtype": None,
+}
+
+
+def ct_mxfp4_config(*, activations: bool = False) -> dict:
+    """llm-compressor's MXFP4A16 scheme (`activations`: its W4A4 MXFP4 scheme) as written to a
+    checkpoint's quantization_config."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**MXFP4_ARGS, "dynamic": False},
+                "input_activations": {**MXFP4_ARGS, "dynamic": True} if activations else None,
+                "output_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }

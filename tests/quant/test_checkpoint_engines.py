@@ -1,12 +1,13 @@
 """Quantized checkpoints end to end, in CPU emulation: AWQ, GPTQ with and without activation
-order, compressed-tensors WNA16 (asymmetric, group 64) and W8A8-FP8 (per-channel weights, dynamic
-per-token activations), each a tiny Llama quantized by the test packers; AWQ, GPTQ (act-order)
-and compressed-tensors WNA16 of a tiny Mixtral, experts included; and a compressed-tensors WNA16
-checkpoint with a `kv_cache_scheme` (FP8 KV cache with calibrated k/v scales). Each must be
-claimed by the HPU method, run every linear and MoE layer through it, and generate greedily what
-transformers generates on the dequantized float model (vLLM's top-5 rule at a divergence). The
-checkpoints that also round activations or the KV cache to FP8 are made from the softer tiny
-Llama (see tinymodels: "llama-soft") whose logits FP8 rounding moves less.
+order, compressed-tensors WNA16 (asymmetric, group 64), W8A8-FP8 (per-channel weights, dynamic
+per-token activations) and MXFP4 (E2M1 weights, E8M0 scales per 32 inputs), each a tiny Llama
+quantized by the test packers; AWQ, GPTQ (act-order) and compressed-tensors WNA16 of a tiny
+Mixtral, experts included; and a compressed-tensors WNA16 checkpoint with a `kv_cache_scheme`
+(FP8 KV cache with calibrated k/v scales). Each must be claimed by the HPU method, run every
+linear and MoE layer through it, and generate greedily what transformers generates on the
+dequantized float model (vLLM's top-5 rule at a divergence). The checkpoints that also round
+activations or the KV cache to FP8 are made from the softer tiny Llama (see tinymodels:
+"llama-soft") whose logits FP8 rounding moves less.
 
 All engines run one after the other in ONE process (vLLM imported once).
 Starts engines (slow): .venv/bin/python -m pytest tests/quant
@@ -42,6 +43,7 @@ CHECKPOINTS = {
     "gptq-act-order": ("llama", "gptq-act-order", "gptq_hpu", "HpuGptqLinearMethod", None),
     "ct-wna16-asym": ("llama", "ct-wna16-asym", "compressed-tensors", "HpuWNA16Uint4", None),
     "ct-fp8-dynamic": ("llama-soft", "ct-fp8-dynamic", "compressed-tensors", "HpuW8A8Fp8", None),
+    "ct-mxfp4": ("llama", "ct-mxfp4", "compressed-tensors", "HpuMxfp4Linear", None),
     "awq-mixtral": ("mixtral", "awq", "awq_hpu", "HpuAwqLinearMethod", "HpuAwqMoEMethod"),
     "gptq-act-order-mixtral": (
         "mixtral",

@@ -1,8 +1,9 @@
 """compressed-tensors schemes the quant wheel does not run on HPU are refused when the layer is
 built, by a ValueError naming the layer, the scheme and what HPU runs (no engine): int8 W8A8 and
-weight-only int8, FP4 (NVFP4-style, group 16), MXFP4, 4-bit weights with 8-bit activations, FP8
-with block or group weight scales, 4-bit with activation reordering by group, output
-quantization, and dynamic weight scales. The schemes HPU runs resolve to its own classes."""
+weight-only int8, FP4 (NVFP4-style, group 16), MXFP4 weights with FP8 activations, 4-bit weights
+with 8-bit activations, FP8 with block or group weight scales, 4-bit with activation reordering by
+group, output quantization, and dynamic weight scales. The schemes HPU runs resolve to its own
+classes (MXFP4 with MXFP4 activations runs weight-only)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def args(**kwargs) -> QuantizationArgs:
 INT8_CHANNEL = {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True}
 INT8_TOKEN = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+MXFP4 = {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}
 
 REFUSED = {
     "int8 W8A8": (args(**INT8_CHANNEL), args(**INT8_TOKEN), None, "int-quantized"),
@@ -31,9 +33,9 @@ REFUSED = {
         None,
         "nvfp4-pack-quantized",
     ),
-    "mxfp4 weight-only": (
+    "mxfp4 W4A8-FP8": (
         args(num_bits=4, type="float", strategy="group", group_size=32),
-        None,
+        args(**FP8_TOKEN),
         None,
         "mxfp4-pack-quantized",
     ),
@@ -88,6 +90,8 @@ def test_a_scheme_hpu_does_not_run_is_refused_naming_the_layer(config, scheme):
          "HpuW8A8Fp8"),
         (args(num_bits=4, type="int", strategy="group", group_size=64, symmetric=False), None,
          "pack-quantized", "HpuWNA16Uint4"),
+        (args(**MXFP4), None, "mxfp4-pack-quantized", "HpuMxfp4Linear"),
+        (args(**MXFP4), args(**MXFP4, dynamic=True), "mxfp4-pack-quantized", "HpuMxfp4Linear"),
     ],
 )  # fmt: skip
 def test_the_schemes_hpu_runs_resolve_to_its_classes(config, weights, inputs, fmt, scheme):

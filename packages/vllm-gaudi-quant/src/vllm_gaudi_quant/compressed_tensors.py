@@ -1,7 +1,8 @@
 """Entry point `hpu_quant_compressed_tensors`: compressed-tensors checkpoints on HPU.
 
 Replaces vLLM's `compressed-tensors` config on the HPU platform with one whose schemes run on
-Gaudi (W8A8-FP8 and 4-bit WNA16; see `methods/compressed_tensors.py`). Does nothing off HPU.
+Gaudi (W8A8-FP8, 4-bit WNA16 and MXFP4 linears; see `methods/compressed_tensors.py`). Does
+nothing off HPU.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ gated norm and weight loading, and replaces the conv + SSM step: it reads the HP
 - prefill: the step's prefill cells, one request per row ([rows, query_bucket]), are gathered
   from the token order through `cell_to_token`; the causal conv and the chunked SSD scan run
   over the padded rows from each request's stored state (or zeros for a new request), and the
-  final conv and SSM states are written back to the request's slot;
+  final conv and SSM states are written back to the request's slot (with prefix caching, the
+  slot of the block holding the step's last token);
 - decode: one cell per request ([batch_bucket]), a single conv and state-update step each.
 
 Padding rows and cells read and write slot 0, vLLM's null block, which no request owns. Every
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
@@ -34,6 +36,12 @@ class HpuMambaMixer2(MambaMixer2):
         from vllm_gaudi_platform.attention.state import HPUMamba2Backend
 
         return HPUMamba2Backend
+
+    def get_kv_cache_spec(self, vllm_config):  # type: ignore[no-untyped-def]
+        # vLLM's mixer declares a prefill checkpoint block (its Triton scan exports the state at
+        # a block boundary inside a chunk); this one writes the state at a step's end only, so
+        # with prefix caching the scheduler ends prefill chunks at block boundaries instead.
+        return MambaBase.get_kv_cache_spec(self, vllm_config)
 
     def conv_ssm_forward(self, projected_states: torch.Tensor, output: torch.Tensor) -> None:
         stats.count(FAMILY)

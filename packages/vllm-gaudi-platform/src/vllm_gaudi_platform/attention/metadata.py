@@ -298,7 +298,7 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
             block_size=self.block_size,
             device=self.device,
             image_spans=(cm.mm_req_doc_ranges or {}) if self.mm_prefix else None,
-            state_slots=self.state_slots(cm),
+            state_slots=self.state_slots(cm, seq_lens),
         )
 
     def block_table(
@@ -307,7 +307,7 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
         """The block ids the step's paged attention reads, per request (host tensor)."""
         return cm.block_table_tensor[: cm.num_reqs].cpu()
 
-    def state_slots(self, cm: CommonAttentionMetadata) -> list[int] | None:
+    def state_slots(self, cm: CommonAttentionMetadata, seq_lens: list[int]) -> list[int] | None:
         """Each request's state slot, for state-space layers (None: attention layers)."""
         return None
 

@@ -2,10 +2,12 @@
 
 A Mamba layer keeps no paged keys and values: per request it keeps one state slot (conv and SSM
 state) in its KV-cache group, whose block table holds that slot in its first column (vLLM's
-`mamba_cache_mode` "none"). It reads the same step layout as the attention layers (prefill rows
-of one request each, decode cells), so its metadata is `HPUAttentionMetadata` built from the
-step's layout, plus each row's and decode cell's state slot (`metadata.state_fields`). The
-layer itself is the ops wheel's `hpu_ops_mamba` family.
+`mamba_cache_mode` "none"); with prefix caching ("align"), one slot per block of tokens, and
+the step reads and writes the slot of the block holding its last token. It reads the same step
+layout as the attention layers (prefill rows of one request each, decode cells), so its
+metadata is `HPUAttentionMetadata` built from the step's layout, plus each row's and decode
+cell's state slot (`metadata.state_fields`). The layer itself is the ops wheel's
+`hpu_ops_mamba` family.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        if vllm_config.cache_config.mamba_cache_mode != "none":
-            raise ValueError(
-                f"mamba_cache_mode={vllm_config.cache_config.mamba_cache_mode!r} is not "
-                "supported on HPU: Mamba state is kept per request only (no prefix caching of "
-                "it); pass enable_prefix_caching=False (--no-enable-prefix-caching) or "
-                "mamba_cache_mode='none'."
-            )
+        # Prefix caching ("align"): one slot per block of tokens, the running state in the block
+        # of the step's last token; otherwise one slot per request.
+        self.slot_tokens = (
+            int(kv_cache_spec.block_size)
+            if vllm_config.cache_config.mamba_cache_mode == "align"
+            else None
+        )
         # The step layout counts context in the attention layers' blocks (the state group's
         # block size counts tokens per state slot).
         self.block_size = vllm_config.cache_config.block_size
@@ -43,8 +45,14 @@ class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
         width = max((-(-s // self.block_size) for s in seq_lens), default=0)
         return torch.zeros(cm.num_reqs, width, dtype=torch.int32)
 
-    def state_slots(self, cm: CommonAttentionMetadata) -> list[int]:
-        return cm.block_table_tensor[: cm.num_reqs, 0].tolist()
+    def state_slots(self, cm: CommonAttentionMetadata, seq_lens: list[int]) -> list[int]:
+        table = cm.block_table_tensor[: cm.num_reqs]
+        if self.slot_tokens is None:
+            return table[:, 0].tolist()
+        # vLLM copied each request's state into this block before the step (state_copies.py).
+        columns = [max(s - 1, 0) // self.slot_tokens for s in seq_lens]
+        index = torch.tensor(columns, dtype=torch.int64, device=table.device).unsqueeze(1)
+        return table.gather(1, index)[:, 0].tolist()
 
 
 class HPUMamba2Backend(AttentionBackend):

@@ -3,7 +3,8 @@ differently for them.
 
 vLLM's hybrid KV-cache manager gives such a model one KV-cache group per layer kind: the
 attention layers' paged blocks, and per request one state slot per Mamba layer (conv and SSM
-state), both in pages of one size. The step layout, the bucket plan and the block arithmetic
+state), both in pages of one size; with prefix caching, one slot per block of tokens, of which
+the last holds the running state. The step layout, the bucket plan and the block arithmetic
 follow the attention groups; the Mamba layers read their slots through their own metadata
 (`vllm_gaudi_ops.mamba`).
 """
@@ -15,6 +16,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from vllm.logger import init_logger
 
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
@@ -33,10 +35,11 @@ def is_mamba_hybrid(model_config: Any) -> bool:
 def check_vllm_config(vllm_config: Any) -> bool:
     """The platform's config check for Mamba hybrids (before any engine starts): True for one.
 
-    Prefix caching is turned off (vLLM caches Mamba state at block boundaries, its "align"
-    mode, with Triton kernels that write intermediate states; the HPU mixer keeps one state per
-    request), and speculative decoding is refused (a request's state would advance past its
-    rejected draft tokens)."""
+    With prefix caching, Mamba state is cached at block boundaries (vLLM's mamba_cache_mode
+    "align"): the scheduler ends prefill chunks there, vLLM's runner copies a request's state
+    into the block of its last token before each step (`state_copies.py`) and the HPU mixer reads
+    and writes that block (`attention/state.py`). Speculative decoding is refused (a request's
+    state would advance past its rejected draft tokens)."""
     model_config = vllm_config.model_config
     if not is_mamba_hybrid(model_config):
         return False
@@ -48,15 +51,32 @@ def check_vllm_config(vllm_config: Any) -> bool:
         )
     cache_config = vllm_config.cache_config
     if cache_config.enable_prefix_caching:
-        logger.warning(
-            "Prefix caching is off for %s on HPU: its Mamba state is kept per request "
-            "(vLLM's mamba_cache_mode 'none').",
-            model_config.architecture,
-        )
-        cache_config.enable_prefix_caching = False
+        if not vllm_config.scheduler_config.enable_chunked_prefill:
+            raise ValueError(
+                f"prefix caching of {model_config.architecture}'s Mamba state needs chunked "
+                "prefill (prefill chunks end at block boundaries, where states are cached): "
+                "enable chunked prefill, or disable prefix caching (--no-enable-prefix-caching)."
+            )
+        cache_config.mamba_cache_mode = "align"
+        cache_config.mamba_block_size = cache_config.block_size  # aligned again with the pages
+    else:
         cache_config.mamba_cache_mode = "none"
         cache_config.mamba_block_size = model_config.max_model_len
     return True
+
+
+def state_tensors(runner: Any) -> list[Any]:
+    """The conv and SSM state tensors of every Mamba layer of the runner's model."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+
+    context = runner.compilation_config.static_forward_context
+    return [
+        state
+        for layer in context.values()
+        if isinstance(layer, MambaBase)
+        for state in layer.kv_cache
+        if isinstance(state, torch.Tensor)
+    ]
 
 
 def attention_block_size(groups: list[Any]) -> int:

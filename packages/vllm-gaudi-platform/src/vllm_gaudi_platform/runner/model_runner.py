@@ -48,6 +48,7 @@ from vllm_gaudi_platform.runner import (
     hybrid,
     mixed_steps,
     spec_decode,
+    state_copies,
     vision,
     warmup,
 )
@@ -184,6 +185,8 @@ class HPUModelRunner(GPUModelRunner):
             self.trace_recorder.block_size = self.block_size
         sched = self.scheduler_config
         self.has_state_layers = hybrid.has_state_layers(self)
+        if self.has_state_layers and self.cache_config.mamba_cache_mode == "align":
+            state_copies.register_regions(hybrid.state_tensors(self))
         plan = plan_from_env(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -12,6 +12,8 @@ cache scheme); this subclass only swaps the per-layer schemes for ones that run 
   compressed-tensors packs eight values along the INPUT dim ([N, K/8]) in offset form (stored =
   signed value + 8, zero points too), so the stored values subtract exactly like unsigned ones
   and a symmetric layer's zero point is 8.
+- MXFP4 (`mxfp4-pack-quantized`, E2M1 weights with E8M0 scales per 32 inputs): kept packed,
+  dequantized per forward (`methods/ct_mxfp4.py`); activations stay in the model dtype.
 
 MoE layers (`HpuWNA16MoE`): experts in the same 4-bit WNA16 scheme load stacked per projection
 (w13 = gate and up, w2 = down), are repacked the same way and run through
@@ -60,7 +62,7 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
-from vllm_gaudi_quant.methods import fp8
+from vllm_gaudi_quant.methods import ct_mxfp4, fp8
 from vllm_gaudi_quant.methods.fp8_checkpoint import kv_range_factor
 from vllm_gaudi_quant.methods.uint4 import (
     GROUP,
@@ -85,8 +87,9 @@ SUPPORTED_MOE = (
     "4-bit WNA16 pack-quantized (group or channel, symmetric or not)"
 )
 SUPPORTED = (
-    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations) and 4-bit WNA16 "
-    "pack-quantized (group or channel, symmetric or not)"
+    "W8A8-FP8 (channel or tensor weight scales, static or dynamic activations), 4-bit WNA16 "
+    "pack-quantized (group or channel, symmetric or not) and MXFP4 mxfp4-pack-quantized "
+    "(activations unquantized or MXFP4, run weight-only)"
 )
 # The KV cache dtype a kv_cache_scheme selects: FP8 E4M3 with per-layer scales (vLLM's table maps
 # "fp8_inc" to torch.float8_e4m3fn, "fp8" to uint8 storage meant for CUDA kernels).
@@ -238,6 +241,13 @@ class HpuCompressedTensorsConfig(CompressedTensorsConfig):
                 group_size=-1 if weight_quant.strategy == QuantizationStrategy.CHANNEL else group,
                 symmetric=bool(weight_quant.symmetric),
             )
+        if (
+            output_quant is None
+            and format == ct_mxfp4.FORMAT
+            and ct_mxfp4.is_mxfp4(weight_quant)
+            and ct_mxfp4.runs_weight_only(input_quant)
+        ):
+            return ct_mxfp4.HpuMxfp4Linear(activations_quantized=input_quant is not None)
         raise ValueError(
             f"compressed-tensors checkpoint: layer {layer_name!r} uses a scheme HPU does not run "
             f"(weights {_describe(weight_quant)}, activations {_describe(input_quant)}, format "
