@@ -102,6 +102,12 @@ CASES: dict[str, Case] = {
         hpu_engine=HYBRID_ENGINE,
         cpu_engine={"enable_prefix_caching": False},
     ),
+    # Falcon-H1's shape: attention and a Mamba2 mixer side by side in every layer, muP multipliers
+    "falcon-h1": Case(
+        lambda: tinymodels.build("falcon-h1"),
+        hpu_engine=HYBRID_ENGINE,
+        cpu_engine={"enable_prefix_caching": False},
+    ),
 }
 # Not cross-checked: the tiny DeepSeek-V2 (MLA, test_mla.py). vLLM 0.32's CPU backend runs it but
 # its greedy tokens differ from transformers' on all 10 prompts (the one-token prompt from its

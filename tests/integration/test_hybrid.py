@@ -1,7 +1,8 @@
 """Mamba2 hybrids end to end: a tiny Granite 4.0-H-shaped model (GraniteMoeHybrid: Mamba2 layers
-around an attention layer, MoE feed-forward blocks, no rotary embedding) and a tiny Nemotron-H
+around an attention layer, MoE feed-forward blocks, no rotary embedding), a tiny Nemotron-H
 (Mamba2 with two groups of B/C projections, attention and squared-ReLU MLP blocks as separate
-layers) generate on the HPU platform what transformers generates, through the `hpu_ops_mamba`
+layers) and a tiny Falcon-H1 (attention and a Mamba2 mixer side by side in every layer, muP
+multipliers) generate on the HPU platform what transformers generates, through the `hpu_ops_mamba`
 family's mixer.
 
 The shared architectures run (architectures.py) serves 10 prompts of 1 to 300 tokens as the
@@ -28,8 +29,9 @@ from tests.integration.generation import ENGINE, assert_close, hf_greedy, named_
 pytestmark = pytest.mark.engine
 
 NAME = "granitemoehybrid"
-NAMES = ("granitemoehybrid", "nemotron-h")
-# Where each config lists its layers (transformers writes Mamba layers as "linear_attention").
+NAMES = ("granitemoehybrid", "nemotron-h", "falcon-h1")
+# Where each config lists its layers (transformers writes Mamba layers as "linear_attention");
+# Falcon-H1 lists none: every layer has both.
 LAYER_KEYS = {"granitemoehybrid": "layer_types", "nemotron-h": "layers_block_type"}
 _REFERENCES: dict[str, list[dict]] = {}
 
@@ -66,8 +68,11 @@ def packed() -> dict:
 def test_hybrid_runs_on_the_hpu_platform_with_prompts_chunked_across_steps(hybrid):
     name, result = hybrid
     config = json.loads((CASES[name].build() / "config.json").read_text())
-    layers = config[LAYER_KEYS[name]]
-    assert "linear_attention" in layers and "full_attention" in layers
+    if name in LAYER_KEYS:
+        layers = config[LAYER_KEYS[name]]
+        assert "linear_attention" in layers and "full_attention" in layers
+    else:
+        assert config["mamba_n_heads"] > 0 and config["num_attention_heads"] > 0
     assert result["platform"] == "HpuPlatform"
     chunk = CASES[name].hpu_engine["long_prefill_token_threshold"]
     assert sum(len(p) > chunk for p in prompts(name)) >= 3

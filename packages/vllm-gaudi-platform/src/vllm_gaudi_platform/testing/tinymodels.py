@@ -221,6 +221,29 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_hidden_act": "relu2",
         },
     ),
+    # Falcon-H1's shape: attention and a Mamba2 mixer side by side in every layer, with muP
+    # multipliers (scaled embeddings, keys, SSM input blocks, MLP gate and down projections).
+    # Gated RMS norm with the gate applied first: vLLM 0.32 ignores mamba_norm_before_gate (it
+    # always gates first), so with it True transformers' tokens differ from vLLM's on every
+    # backend (all 10 test prompts; vLLM's CPU backend and the HPU platform agree).
+    "falcon-h1": (
+        "FalconH1Config",
+        {
+            "head_dim": 32,
+            "mamba_d_ssm": 256,
+            "mamba_n_heads": 8,
+            "mamba_d_head": 32,
+            "mamba_n_groups": 1,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 64,
+            "mamba_rms_norm": True,
+            "mamba_norm_before_gate": False,
+            "embedding_multiplier": 2.0,
+            "key_multiplier": 0.5,
+            "ssm_multipliers": [1.0, 0.5, 2.0, 1.5, 0.75],
+            "mlp_multipliers": [1.5, 0.5],
+        },
+    ),
     # Qwen3-Next's shape: gated delta net (linear attention) layers before each full attention
     # layer, MoE with a shared expert. The HPU platform has no gated-delta-net kernels yet: it
     # refuses this model at load, naming the layer (tests/integration/test_hybrid.py).
