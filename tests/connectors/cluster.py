@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,6 +281,21 @@ def settled_metric(url: str, name: str, **labels: str) -> float:
         if again == value:
             return value
         value = again
+
+
+def metric_reaches(
+    url: str, name: str, wanted: Callable[[float], bool], *, within: float, **labels: str
+) -> float:
+    """`metric_sum` once `wanted` holds for it, failing after `within` seconds. vLLM's server
+    answers a request before it records that step's stats, so a gauge read right after an
+    answer may still show the step before."""
+    deadline = time.monotonic() + within
+    value = metric_sum(url, name, **labels)
+    while not wanted(value):
+        assert time.monotonic() < deadline, f"{name} stayed at {value} for {within} s"
+        time.sleep(0.1)
+        value = metric_sum(url, name, **labels)
+    return value
 
 
 def complete(
