@@ -9,6 +9,7 @@ n-gram speculative decoding on the same server."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -251,7 +252,11 @@ def test_served_model_speculates_and_vllm_counts_accepted_drafts(
         repeating_prompts, SPEC_MAX_TOKENS, model=str(models["base"])
     )
     choices = openai_server.post(lora_server, "/v1/completions", body)["choices"]
-    after = spec_decode_counters(lora_server)
+    # vLLM answers before it records the last step's stats: read until two reads agree.
+    after, again = None, spec_decode_counters(lora_server)
+    while again != after:
+        time.sleep(0.3)
+        after, again = again, spec_decode_counters(lora_server)
     delta = {name: after[name] - before.get(name, 0.0) for name in after}
 
     tokens = [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
