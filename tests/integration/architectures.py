@@ -85,10 +85,9 @@ CASES: dict[str, Case] = {
     "bloom": Case(lambda: tinymodels.build("bloom")),  # ALiBi
     # attention sinks, window 40 on layer 0, biased swigluoai experts
     "gpt-oss": Case(lambda: tinymodels.build("gpt-oss")),
-    # Granite 4.0-H's shape: Mamba2 layers around an attention layer (test_hybrid.py), served
-    # as its README section advises for zero recompiles: prompts never share a prefill row, so
-    # at most 4 per step (the default prompt rows) of at most 128 new tokens each (longer ones
-    # continue from their stored state in the next step).
+    # Granite 4.0-H's shape: Mamba2 layers around an attention layer (test_hybrid.py): at most
+    # 4 prompts per step (the default prompt rows: one pass per step) of at most 128 new tokens
+    # each, so longer ones continue from their stored state in the next step.
     # vLLM's CPU backend: without prefix caching (its default "align" Mamba cache mode fails on
     # this model at vLLM 0.32 with an IndexError in the mixer's state update).
     "granitemoehybrid": Case(

@@ -70,6 +70,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
             "prompts": make_prompts()[:6],
             "max_tokens": MAX_TOKENS,
             "engine": COMPILE_ENGINE,
+            "stats": True,
         }
     )
     common = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PT_HPU_LAZY_MODE": "1"}
@@ -101,6 +102,16 @@ def test_gaudi_and_emulated_engines_generate_the_same_tokens(runs, name):
         assert gaudi[key] == emulated[key], key
     diverged = assert_close(gaudi["results"], emulated["results"], f"{name}: gaudi vs emulated")
     assert diverged <= 1, f"{diverged} of 6 prompts hit near-ties"
+
+
+@pytest.mark.parametrize("backend", ["gaudi", "emulated"])
+def test_the_hybrids_prompts_beyond_its_rows_run_in_passes_of_warmed_graphs(runs, backend):
+    # Steps of up to four prompts whose rows no single bucket within the 256-token budget holds
+    # (two-row buckets of 128 at most): each runs as several passes, each replaying its graph.
+    stats = runs[backend]["granitemoehybrid"]["stats"]
+    assert stats["split_steps"] > 0 and stats["packed_prefills"] == 0
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["eager_steps"] == 0 and stats["graph_replays"] > 0, stats["eager_buckets"]
 
 
 # torch.compile on the Gaudi backend (eager mode, the Gaudi default): the stand-in's hpu_backend

@@ -5,13 +5,15 @@ layers) and a tiny Falcon-H1 (attention and a Mamba2 mixer side by side in every
 multipliers) generate on the HPU platform what transformers generates, through the `hpu_ops_mamba`
 family's mixer.
 
-The shared architectures run (architectures.py) serves 10 prompts of 1 to 300 tokens as the
-platform README advises for Mamba hybrids: at most 4 prompts per step, one prefill row each, and
-at most 128 new tokens per prompt and step, so the longer prompts continue from the state their
-earlier chunks left in their slot. A second engine keeps the test engine's token budget (256) and
-16 sequences: steps whose prompts do not fit row by row share a row, which the mixer scans
-request by request (correct, and counted as recompiles). vLLM's own mixer cannot run on this
-platform (Triton kernels), so equal tokens mean the HPU mixer ran.
+The shared architectures run (architectures.py) serves 10 prompts of 1 to 300 tokens with at
+most 4 prompts per step, one prefill row each, and at most 128 new tokens per prompt and step, so
+the longer prompts continue from the state their earlier chunks left in their slot. Two more
+engines keep the test engine's token budget (256) and 16 sequences, more prompts per step than
+the 4 prompt rows: with the default buckets, such a step runs as several forward passes of rows
+that warmed buckets hold (no recompile); with a bucket file of one 128-token prompt bucket, no
+bucket holds some prompts even alone, and the step's prompts share a row at its exact shape,
+which the mixer scans request by request (correct, and counted as recompiles). vLLM's own mixer
+cannot run on this platform (Triton kernels), so equal tokens mean the HPU mixer ran.
 
 A hybrid whose state-space layers are not Mamba2 (a tiny Qwen3-Next: gated delta net layers)
 does not start: the engine refuses it at load, naming the layer class.
@@ -49,8 +51,17 @@ def hybrid(request) -> tuple[str, dict]:
     return request.param, result
 
 
+# An operator's bucket file (exact warmup list) with one prompt bucket: a prompt with more than
+# 128 new tokens, or continuing from context, fits no bucket even alone.
+NARROW_BUCKETS = "(1, 128, 0)\n([1, 2, 4, 8, 16], 1, [4, 8, 16, 32, 64])\n"
+
+
 @pytest.fixture(scope="module")
-def packed() -> dict:
+def many_per_step(tmp_path_factory) -> dict[str, dict]:
+    """The test engine's budget and sequences (more prompts per step than prompt rows), with the
+    default buckets ("passes") and with NARROW_BUCKETS ("packed")."""
+    narrow = tmp_path_factory.mktemp("buckets") / "narrow.txt"
+    narrow.write_text(NARROW_BUCKETS)
     job = {
         "model": str(CASES[NAME].build()),
         "prompts": prompts(NAME),
@@ -59,10 +70,13 @@ def packed() -> dict:
         "rounds": 1,
         "stats": True,
     }
-    proc = run_job(SEQUENTIAL_JOB, json.dumps({"packed": job}), emulate=True, timeout=900)
-    result = named_job_outputs(proc).get("packed")
-    assert result is not None and "error" not in result, proc.stderr[-4000:]
-    return result
+    jobs = {"passes": job, "packed": {**job, "env": {"VLLM_BUCKETING_FROM_FILE": str(narrow)}}}
+    proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), emulate=True, timeout=1200)
+    results = named_job_outputs(proc)
+    for name in jobs:
+        result = results.get(name)
+        assert result is not None and "error" not in result, proc.stderr[-4000:]
+    return results
 
 
 def test_hybrid_runs_on_the_hpu_platform_with_prompts_chunked_across_steps(hybrid):
@@ -93,9 +107,21 @@ def test_no_recompiles_after_warmup_and_every_step_replays_a_graph(hybrid):
     assert stats["eager_steps"] == 0, stats["eager_buckets"]
 
 
-def test_prompts_sharing_a_row_are_scanned_one_by_one_and_counted_as_recompiles(packed):
+def test_more_prompts_than_rows_run_in_passes_of_warmed_rows_without_recompiles(many_per_step):
+    result = many_per_step["passes"]
+    diverged = assert_close(result["rounds"][0], reference_of(NAME), f"{NAME}, in passes")
+    assert diverged == 0
+    stats = result["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["split_steps"] > 0 and stats["packed_prefills"] == 0
+    assert stats["eager_steps"] == 0, stats["eager_buckets"]
+
+
+def test_prompts_sharing_a_row_are_scanned_one_by_one_and_counted_as_recompiles(many_per_step):
+    packed = many_per_step["packed"]
     diverged = assert_close(packed["rounds"][0], reference_of(NAME), f"{NAME}, packed rows")
     assert diverged == 0
+    assert packed["stats"]["packed_prefills"] > 0
     unwarmed = packed["stats"]["unwarmed_buckets"]
     assert unwarmed and all(b["phase"] == "prompt" for b in unwarmed), unwarmed
     assert packed["stats"]["recompiles"] == len(unwarmed)

@@ -4,6 +4,7 @@ and grouped-query attention. Padding never changes real tokens' outputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -119,7 +120,7 @@ def _run(
         query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
     )
     if split:
-        layout = step_layout.split_mixed(layout)
+        layout = step_layout.split_passes(layout, seq_lens, BLOCK, plan)
         assert layout.parts is not None
     total = layout.num_tokens_padded
     real = sum(query_lens)
@@ -149,11 +150,9 @@ def _run(
     kv_cache = kv_cache.to(dtype)
     impl = _impl(window, softcap, sinks, alibi)
     if split:
-        passes = (
-            (md.parts[1], layout.parts.decode_tokens),
-            (md.parts[0], layout.parts.prefill_tokens),
-        )
-        for part_md, tokens in passes:
+        # The passes in reverse: each reads only its own requests' cache.
+        passes = [(part, one.tokens) for part, one in zip(md.parts, layout.parts.passes)]
+        for part_md, tokens in reversed(passes):
             t, n_pad = list(tokens), part_md.layout.num_tokens_padded
             pq, pk, pv = (torch.full((n_pad, x.shape[1]), 1e3, dtype=dtype) for x in (q, k, v))
             pq[: len(t)], pk[: len(t)], pv[: len(t)] = q[t], k[t], v[t]
@@ -251,8 +250,9 @@ def test_mixed_step_run_as_a_decode_pass_and_a_prefill_pass_matches_reference(wi
     # How the runner runs a mixed step: each pass is exactly one warmed bucket of the plan.
     plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
     out, ref, layout = _run([1, 1, 9, 20], [15, 30, 0, 17], plan, window=window, split=True)
-    assert layout.parts.prefill.buckets == (Bucket("prompt", 2, 32, 2),)
-    assert layout.parts.decode.buckets == (Bucket("decode", 2, 1, 4),)
+    prefill, decode = layout.parts.passes
+    assert prefill.layout.buckets == (Bucket("prompt", 2, 32, 2),)
+    assert decode.layout.buckets == (Bucket("decode", 2, 1, 4),)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -260,8 +260,19 @@ def test_mixed_step_with_a_decode_among_the_prefills_runs_in_parts():
     # A prompt's one-token last chunk is a decode-part request, wherever vLLM puts it.
     plan = _plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)])
     out, ref, layout = _run([1, 9, 1, 20], [15, 0, 30, 17], plan, split=True)
-    assert layout.parts.decode_tokens == (0, 10)
-    assert layout.parts.prefill_tokens == (*range(1, 10), *range(11, 31))
+    prefill, decode = layout.parts.passes
+    assert decode.tokens == (0, 10)
+    assert prefill.tokens == (*range(1, 10), *range(11, 31))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_prompts_run_in_passes_of_rows_match_reference():
+    # A plan without packing (a model with state-space layers) and buckets of two rows: three
+    # prompts and a decode run as two prefill passes and a decode pass.
+    plan = dataclasses.replace(_plan(prompt=[(2, 32, 2)], decode=[(2, 1, 4)]), pack_prefills=False)
+    out, ref, layout = _run([9, 1, 20, 12], [0, 30, 17, 10], plan, split=True)
+    assert [one.requests for one in layout.parts.passes] == [(0, 2), (3,), (1,)]
+    assert layout.warmed
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -457,12 +468,12 @@ def test_a_mixed_step_splits_into_a_prefill_and_a_decode_layout_over_its_own_req
     layout = step_layout.plan_step(
         query_lens=[1, 1, 9, 20], seq_lens=[16, 31, 9, 37], block_size=BLOCK, plan=plan
     )
-    split = step_layout.split_mixed(layout).parts
-    assert split.decode.query_lens == (1, 1) and split.decode.prefill is None
-    assert split.prefill.query_lens == (9, 20) and split.prefill.decode is None
-    assert split.prefill.prefill.row_members == ((0,), (1,))  # renumbered from (2,), (3,)
-    assert (split.prefill_requests, split.decode_requests) == ((2, 3), (0, 1))
-    assert split.prefill.num_tokens_padded + split.decode.num_tokens_padded == (
+    prefill, decode = step_layout.split_passes(layout, [16, 31, 9, 37], BLOCK, plan).parts.passes
+    assert decode.layout.query_lens == (1, 1) and decode.layout.prefill is None
+    assert prefill.layout.query_lens == (9, 20) and prefill.layout.decode is None
+    assert prefill.layout.prefill.row_members == ((0,), (1,))  # renumbered from (2,), (3,)
+    assert (prefill.requests, decode.requests) == ((2, 3), (0, 1))
+    assert prefill.layout.num_tokens_padded + decode.layout.num_tokens_padded == (
         layout.num_tokens_padded
     )
 
@@ -473,4 +484,4 @@ def test_steps_with_one_part_are_not_split():
         layout = step_layout.plan_step(
             query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
         )
-        assert step_layout.split_mixed(layout).parts is None
+        assert step_layout.split_passes(layout, seq_lens, BLOCK, plan).parts is None

@@ -68,6 +68,26 @@ def test_a_mixed_step_counts_both_parts():
     assert (m["prompt_tokens_real"], m["decode_blocks_real"]) == (50, 2)
 
 
+def test_a_step_run_in_passes_counts_each_pass():
+    plan = BucketPlan(
+        strategy="file",
+        prompt=(Bucket("prompt", 2, 128, 0),),
+        decode=(Bucket("decode", 4, 1, 8),),
+        pack_prefills=False,
+    )
+    query_lens, seq_lens = [100, 60, 1, 30], [100, 60, 129, 30]
+    one = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+    split = step_layout.split_passes(one, seq_lens, BLOCK, plan)
+    m = metrics.StepMetrics()
+    m.record(split, seq_lens, BLOCK, recompiles=0)
+
+    assert (m["prompt_hits"], m["prompt_misses"], m["decode_hits"]) == (2, 0, 1)
+    assert (m["prompt_tokens_real"], m["prompt_tokens_padded"]) == (190, 2 * 256)
+    assert (m["decode_blocks_real"], m["decode_blocks_padded"]) == (2, 8)
+
+
 def test_padding_ratio_is_padding_over_real_work():
     assert metrics.padding_ratio(100, 125) == pytest.approx(0.25)
     assert metrics.padding_ratio(0, 0) == 0.0

@@ -88,6 +88,65 @@ def test_prompts_whose_padded_rows_exceed_every_bucket_share_a_row_unwarmed_name
     assert md.state_slots_prefill is None
 
 
+def _rows_plan(pack: bool) -> BucketPlan:
+    plan = BucketPlan(
+        "exp",
+        (Bucket("prompt", 2, 128, 0), Bucket("prompt", 2, 128, 2), Bucket("prompt", 1, 512, 0)),
+        (Bucket("decode", 4, 1, 8),),
+    )
+    return plan if pack else hybrid.plan_without_packing(plan)
+
+
+def test_prompts_no_bucket_holds_row_by_row_run_in_passes_of_rows_buckets_hold():
+    # Five prompts (one continuing from a block of context) and a decode; buckets of two rows
+    # and of one long row.
+    query_lens, seq_lens = [100, 50, 1, 120, 300, 90], [100, 50, 40, 248, 300, 90]
+    plan = _rows_plan(pack=False)
+    layout = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+    # As one pass: five rows of 300 exceed every bucket, so one packed row at its exact shape.
+    assert layout.prefill.row_members == ((0, 1, 3, 4, 5),) and not layout.warmed
+
+    split = step_layout.split_passes(layout, seq_lens, BLOCK, plan)
+    passes = split.parts.passes
+    # First fit in batch order: request 3 (with context) cannot join 0 and 1 (two rows at most)
+    # and starts a group, 4 (300 tokens) needs the one-row bucket, 5 joins 3; the decode last.
+    assert [p.requests for p in passes] == [(0, 1), (3, 5), (4,), (2,)]
+    assert split.buckets == (
+        Bucket("prompt", 2, 128, 0),
+        Bucket("prompt", 2, 128, 2),
+        Bucket("prompt", 1, 512, 0),
+        Bucket("decode", 4, 1, 8),
+    )
+    assert split.warmed
+    starts = np.cumsum([0, *query_lens])
+    for one in passes:
+        assert one.layout.query_lens == tuple(query_lens[r] for r in one.requests)
+        assert one.tokens == tuple(t for r in one.requests for t in range(starts[r], starts[r + 1]))
+        assert one.layout.num_tokens_padded <= split.num_tokens_padded
+    for one in passes[:3]:  # one request per row, renumbered within the pass
+        assert one.layout.prefill.row_members == tuple((k,) for k in range(len(one.requests)))
+    assert sorted(r for one in passes for r in one.requests) == list(range(len(query_lens)))
+
+
+def test_prompts_run_in_one_pass_when_rows_may_be_packed_or_one_fits_no_bucket_alone():
+    query_lens, seq_lens = [100, 50, 120, 300], [100, 50, 248, 300]
+    packs = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=_rows_plan(pack=True)
+    )
+    # Packing allowed (attention only): one packed row, not passes of rows.
+    assert step_layout.split_passes(packs, seq_lens, BLOCK, _rows_plan(pack=True)).parts is None
+    # Request 2 continues from 4 blocks of context: no bucket holds it, even alone.
+    seq_lens[2] = 120 + 4 * BLOCK
+    plan = _rows_plan(pack=False)
+    alone = step_layout.plan_step(
+        query_lens=query_lens, seq_lens=seq_lens, block_size=BLOCK, plan=plan
+    )
+    assert step_layout.split_passes(alone, seq_lens, BLOCK, plan).parts is None
+    assert not alone.warmed
+
+
 def test_attention_groups_get_warmups_metadata_without_the_state_slots():
     layout, seq_lens = step_layout.layout_for_bucket(Bucket("decode", 2, 1, 2), BLOCK)
     md = _metadata(layout, seq_lens, slots=[0, 0])

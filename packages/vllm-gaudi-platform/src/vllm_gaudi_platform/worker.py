@@ -232,6 +232,7 @@ class HPUWorker(Worker):
             "variant_misses": runner.graphs.stats.variant_misses,
             "eager_buckets": {str(k): n for k, n in runner.graphs.stats.eager_buckets.items()},
             "split_steps": runner.split_steps,
+            "packed_prefills": runner.recompiles.packed_prefills,
             "idle_dp_steps": runner.idle_dp_steps,
             "linears_on_seam": runner.linears_on_seam,
             "step_metrics": runner.step_metrics.snapshot(),

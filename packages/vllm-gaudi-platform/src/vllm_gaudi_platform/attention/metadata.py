@@ -86,9 +86,9 @@ class HPUAttentionMetadata:
     # A packed prefill row (no bucket holds the step row by row): per request (row, first
     # column, new tokens, slot, continues from a stored state). Host data: an unwarmed shape.
     state_packed: tuple[tuple[int, int, int, int, bool], ...] | None = None
-    # A mixed step run as two forward passes (`StepLayout.parts`): the prefill pass's and the
-    # decode pass's own metadata, each laid out over its own tokens only.
-    parts: tuple[HPUAttentionMetadata, HPUAttentionMetadata] | None = None
+    # A step run as several forward passes (`StepLayout.parts`): each pass's own metadata,
+    # laid out over its own tokens only.
+    parts: tuple[HPUAttentionMetadata, ...] | None = None
     # Tensors the layers derive from the fields above, built by the first layer that asks and
     # shared by the later ones (see `derived`): per (part, window) the narrowed gather of that
     # window (("decode", 0) holds the unwindowed decode slot bias), the prefill slice masks, and
@@ -471,18 +471,15 @@ def build_metadata(
     if state_slots is not None:
         state_fields(md, np.asarray(state_slots, dtype=np.int64), query_lens, ctx_lens, device)
     if layout.parts is not None:
-        split = layout.parts
         parts = []
-        for part, requests, tokens in (
-            (split.prefill, split.prefill_requests, split.prefill_tokens),
-            (split.decode, split.decode_requests, split.decode_tokens),
-        ):
+        for one in layout.parts.passes:
+            requests = one.requests
             parts.append(
                 build_metadata(
-                    layout=part,
+                    layout=one.layout,
                     seq_lens=[seq_lens[r] for r in requests],
                     block_table=block_table[list(requests)],
-                    slot_mapping=slot_mapping[list(tokens)],
+                    slot_mapping=slot_mapping[list(one.tokens)],
                     block_size=block_size,
                     device=device,
                     image_spans=None
@@ -491,7 +488,7 @@ def build_metadata(
                     state_slots=None if state_slots is None else [state_slots[r] for r in requests],
                 )
             )
-        md.parts = (parts[0], parts[1])
+        md.parts = tuple(parts)
     return md
 
 

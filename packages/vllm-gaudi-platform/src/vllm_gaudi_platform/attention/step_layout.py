@@ -48,24 +48,32 @@ class StepLayout:
     query_lens: tuple[int, ...]
     prefill: PrefillPart | None
     decode: DecodePart | None
-    # A mixed step the runner runs as two forward passes, one per part (see `split_mixed`).
+    # A step the runner runs as several forward passes, each on a bucket (see `split_passes`).
     parts: SplitStep | None = field(default=None, compare=False)
 
     @property
     def num_tokens_padded(self) -> int:
+        """The step's tokens with padding: its parts' cells, and room for the largest pass."""
         n = 0
         if self.prefill is not None:
             n += self.prefill.rows * self.prefill.query_bucket
         if self.decode is not None:
             n += self.decode.batch_bucket
+        if self.parts is not None:
+            n = max(n, *(p.layout.num_tokens_padded for p in self.parts.passes))
         return n
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets the step runs: one per part, or one per pass of a step run in passes."""
+        if self.parts is not None:
+            return tuple(b for p in self.parts.passes for b in p.layout.buckets)
         return tuple(p.bucket for p in (self.prefill, self.decode) if p is not None)
 
     @property
     def warmed(self) -> bool:
+        if self.parts is not None:
+            return all(p.layout.warmed for p in self.parts.passes)
         return all(p.warmed for p in (self.prefill, self.decode) if p is not None)
 
 
@@ -191,57 +199,113 @@ def plan_step(
 
 
 @dataclass(frozen=True)
+class Pass:
+    """One forward pass of a step run in passes: a one-part layout over its own requests,
+    renumbered from 0, and which of the step's requests and tokens it takes (in its order)."""
+
+    layout: StepLayout
+    requests: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SplitStep:
-    """A mixed step as two one-part layouts over their own requests, renumbered from 0, and
-    which of the step's requests and tokens each part takes (in the part's order)."""
+    """A step run as several forward passes: prefill passes first, then the decode pass."""
 
-    prefill: StepLayout
-    decode: StepLayout
-    prefill_requests: tuple[int, ...]
-    decode_requests: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
-    decode_tokens: tuple[int, ...]
+    passes: tuple[Pass, ...]
 
 
-def split_mixed(layout: StepLayout) -> StepLayout:
-    """`layout` with `parts` set when it is a mixed step: prefill and decode requests.
+def split_passes(
+    layout: StepLayout, seq_lens: list[int], block_size: int, plan: BucketPlan | None
+) -> StepLayout:
+    """`layout` with `parts` set when it runs better as several forward passes, each a warmed
+    bucket of the plan (and its HPU graph), than as one:
 
-    On a Gaudi a mixed step run as ONE forward pass is a shape no bucket covers: the model's
-    layers see prefill cells plus decode cells, a sum warmup never ran. Run as a prefill pass and
-    a decode pass, each is exactly a warmed bucket (and replays its HPU graph). A part's pass
-    reads its requests' tokens gathered in the part's order: the batch is not sorted (the
+    - a mixed step (prefill and decode requests): on a Gaudi one pass over both parts is a shape
+      no bucket covers (the model's layers see prefill cells plus decode cells, a sum warmup
+      never ran); a prefill pass and a decode pass are each exactly a warmed bucket;
+    - prompts that must not share a row (a plan without packing: a model with state-space
+      layers) and that no bucket holds row by row: they run in groups of rows that buckets hold
+      (`_row_groups`), instead of once at an unwarmed shape.
+
+    A pass reads its requests' tokens gathered in its order: the batch is not sorted (the
     attention builder asks vLLM for no reordering), so prefills and decodes may interleave.
-    Returns `layout` unchanged when it has one part only.
+    Returns `layout` unchanged when it runs as one pass.
     """
     prefill, decode = layout.prefill, layout.decode
-    if prefill is None or decode is None:
-        return layout
+    groups = _row_groups(layout, seq_lens, block_size, plan)
+    if groups is None:
+        if prefill is None or decode is None:
+            return layout
+        groups = [[i for row in prefill.row_members for i in row]]
     starts = [0]
     for q in layout.query_lens:
         starts.append(starts[-1] + q)
-    decode_requests = decode.members
-    prefill_requests = tuple(i for row in prefill.row_members for i in row)
-    renumber = {r: k for k, r in enumerate(prefill_requests)}
-    rows = tuple(tuple(renumber[i] for i in row) for row in prefill.row_members)
-    decode_only = StepLayout(
-        (1,) * len(decode_requests),
-        None,
-        dataclasses.replace(decode, members=tuple(range(len(decode_requests)))),
-    )
-    prefill_only = StepLayout(
-        tuple(layout.query_lens[i] for i in prefill_requests),
-        dataclasses.replace(prefill, row_members=rows),
-        None,
-    )
-    split = SplitStep(
-        prefill=prefill_only,
-        decode=decode_only,
-        prefill_requests=prefill_requests,
-        decode_requests=decode_requests,
-        prefill_tokens=tuple(t for r in prefill_requests for t in range(starts[r], starts[r + 1])),
-        decode_tokens=tuple(starts[r] for r in decode_requests),
-    )
-    return dataclasses.replace(layout, parts=split)
+    query_lens = list(layout.query_lens)
+    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+    passes = []
+    for requests in groups:
+        part = prefill
+        assert part is not None
+        if len(groups) > 1:  # each group finds its bucket (`_row_groups`)
+            part = plan_prefill(requests, query_lens, ctx_lens, block_size, plan, pack=False)
+        renumber = {r: k for k, r in enumerate(requests)}
+        rows = tuple(tuple(renumber[i] for i in row) for row in part.row_members)
+        one = StepLayout(
+            tuple(layout.query_lens[i] for i in requests),
+            dataclasses.replace(part, row_members=rows),
+            None,
+        )
+        tokens = tuple(t for r in requests for t in range(starts[r], starts[r + 1]))
+        passes.append(Pass(one, tuple(requests), tokens))
+    if decode is not None:
+        one = StepLayout(
+            (1,) * len(decode.members),
+            None,
+            dataclasses.replace(decode, members=tuple(range(len(decode.members)))),
+        )
+        passes.append(Pass(one, decode.members, tuple(starts[r] for r in decode.members)))
+    return dataclasses.replace(layout, parts=SplitStep(tuple(passes)))
+
+
+def _row_groups(
+    layout: StepLayout, seq_lens: list[int], block_size: int, plan: BucketPlan | None
+) -> list[list[int]] | None:
+    """The prefill requests in groups that each fill a warmed bucket row by row, when the plan
+    forbids packing and no bucket holds them all; None otherwise (or when one request fits no
+    bucket even alone: the step then runs at its exact shape, counted). First fit in batch
+    order: each request joins the first group a bucket still holds with it, else starts one."""
+    prefill = layout.prefill
+    if plan is None or plan.pack_prefills or prefill is None or prefill.warmed:
+        return None
+    q = layout.query_lens
+    ctx = [_blocks(s - n, block_size) for s, n in zip(seq_lens, q)]
+    groups: list[list[int]] = []
+    # The groups that may still grow, each with its longest query and widest context.
+    open_groups: list[tuple[list[int], int, int]] = []
+    for i in (i for row in prefill.row_members for i in row):
+        k = next(
+            (
+                k
+                for k, (group, longest, widest) in enumerate(open_groups)
+                if plan.find_prompt(len(group) + 1, max(longest, q[i]), max(widest, ctx[i]))
+            ),
+            None,
+        )
+        if k is None:
+            if plan.find_prompt(1, q[i], ctx[i]) is None:
+                return None
+            groups.append([])
+            open_groups.append((groups[-1], 0, 0))
+            k = len(open_groups) - 1
+        group, longest, widest = open_groups[k]
+        group.append(i)
+        longest, widest = max(longest, q[i]), max(widest, ctx[i])
+        if plan.find_prompt(len(group) + 1, longest, widest) is None:
+            del open_groups[k]  # no bucket holds one more row, even of the shortest prompt
+        else:
+            open_groups[k] = (group, longest, widest)
+    return groups if len(groups) > 1 else None
 
 
 def layout_for_bucket(

@@ -202,9 +202,14 @@ class StepMetrics:
     def record(
         self, layout: StepLayout, seq_lens: Sequence[int], block_size: int, recompiles: int
     ) -> None:
-        """Count one serving step: which of its parts found a bucket and how much they padded."""
+        """Count one serving step: which of its parts found a bucket and how much they padded
+        (a step run in passes: each pass's)."""
         v = self._values
         v[_RECOMPILES] = recompiles  # the runner's RecompileTracker owns this count
+        if layout.parts is not None:
+            for one in layout.parts.passes:
+                self.record(one.layout, [seq_lens[r] for r in one.requests], block_size, recompiles)
+            return
         prefill = layout.prefill
         if prefill is not None:
             v[_P_HIT if prefill.warmed else _P_MISS] += 1

@@ -18,10 +18,10 @@ row), where packing changes the attention branch: always without cached context 
 fast path is for one sequence), and with context for a model with windowed layers. Graphs are
 keyed by (buckets, packed).
 
-A mixed prefill + decode step replays two graphs, one per part (the runner splits it, see
-`step_layout.split_mixed`). The seam's `Graph` does the capture and replay; its emulation
-checks at every replay that each input is still the captured buffer, with the captured shape
-and dtype.
+A step run in passes (a mixed prefill + decode step, or prompts in groups of rows: see
+`step_layout.split_passes`) replays one graph per pass. The seam's `Graph` does the capture and
+replay; its emulation checks at every replay that each input is still the captured buffer, with
+the captured shape and dtype.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _FIXED_FIELDS = {
     "identity_layout",
     "slot_mapping",
     "_derived",
-    "parts",  # a graph covers one part; a mixed step replays one graph per part
+    "parts",  # a graph covers one pass; a step run in passes replays one graph per pass
 }
 
 

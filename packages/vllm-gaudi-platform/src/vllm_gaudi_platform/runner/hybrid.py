@@ -148,7 +148,8 @@ def for_group(metadata: HPUAttentionMetadata, group: Any) -> HPUAttentionMetadat
 
 # Prompts per prefill step a model with state-space layers gets buckets for, unless the operator
 # sets VLLM_PROMPT_BS_BUCKET_MAX: its prompts cannot share a row, so a step of several prompts
-# needs a bucket with that many rows (a step with more runs at its exact shape, counted).
+# needs a bucket with that many rows (a step with more runs in passes of rows buckets hold:
+# step_layout.split_passes).
 STATE_PROMPT_ROWS = 4
 
 

@@ -90,7 +90,7 @@ class PunicaWrapperHPU(PunicaWrapperBase):
 
     def token_buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The per-token buffers a forward pass reads by token index (tokens on the last
-        dimension), each with the value a padding token carries: a mixed step run in two passes
+        dimension), each with the value a padding token carries: a step run in passes
         (mixed_steps.py) gives each pass its own tokens' entries at the front."""
         return [(self._token_lora_indices, NO_ADAPTER), (self._embeddings_indices, 0)]
 

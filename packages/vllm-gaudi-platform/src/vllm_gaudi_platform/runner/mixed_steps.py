@@ -1,5 +1,6 @@
-"""A mixed prefill + decode step run as two forward passes, each on a warmed bucket (the layout's
-parts, `step_layout.split_mixed`), with its hidden states merged back in the step's token order.
+"""A step run as several forward passes, each on a warmed bucket (the layout's parts,
+`step_layout.split_passes`: a mixed prefill + decode step, or prompts in groups of rows), with
+its hidden states merged back in the step's token order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _scatter_tokens(out: Any, tokens: torch.Tensor, total: int, into: Any = None
     if isinstance(out, (tuple, list)):
         targets = into if into is not None else [None] * len(out)
         return type(out)(_scatter_tokens(o, tokens, total, t) for o, t in zip(out, targets))
-    raise TypeError(f"unexpected forward output {type(out).__name__} in a split mixed step")
+    raise TypeError(f"unexpected forward output {type(out).__name__} in a step run in passes")
 
 
 def forward_in_parts(
@@ -36,9 +37,9 @@ def forward_in_parts(
     inputs: dict[str, torch.Tensor | None],
     eager: Callable[..., Any],
 ) -> Any:
-    """A mixed step as two forward passes, the prefill part's bucket then the decode part's,
-    each replaying its own graph (or eager without one); None when the step's metadata was
-    not built in parts (then the step runs as one pass).
+    """A step as several forward passes (prefill passes, then the decode pass), each replaying
+    its bucket's graph (or eager without one); None when the step's metadata was not built in
+    parts (then the step runs as one pass).
 
     `inputs` are the step's token inputs by keyword: `input_ids` (None for a model that takes
     embeddings), `positions` (1-D, or M-RoPE's 3 rows) and `inputs_embeds` (a multimodal model's,
@@ -69,10 +70,7 @@ def forward_in_parts(
     # LoRA's adapter slots per token: each pass reads its own tokens' at the front.
     side = [(buf, pad, buf.clone()) for buf, pad in runner.token_side_buffers()]
     saved_padding = context.is_padding
-    passes = (
-        (split.prefill, split.prefill_tokens),
-        (split.decode, split.decode_tokens),
-    )
+    passes = tuple((one.layout, one.tokens) for one in split.passes)
     merged: Any = None
     try:
         # The step's padding mask (vLLM's MoE may skip padded tokens) is for one pass.

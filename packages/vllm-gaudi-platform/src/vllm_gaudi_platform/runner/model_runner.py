@@ -11,7 +11,8 @@ agreement and the HPU graph replay. Beside it in `runner/`:
 - `warmup.py`: the warmup driver (`warmup_model`, one bucket's run and forward pass, progress log);
 - `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
 - `streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
-- `mixed_steps.py`: a mixed prefill + decode step run as two forward passes;
+- `mixed_steps.py`: a step run as several forward passes (mixed prefill + decode, or prompt rows
+  in groups);
 - `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
 - `hpu_graphs.py`, `data_parallel.py`, `spec_decode.py`, `lora.py`: the per-step helpers.
 - `hybrid.py`: what changes for a model with Mamba state layers; `rng.py`: seeded sampling's
@@ -128,16 +129,17 @@ class HPUModelRunner(GPUModelRunner):
                 "PT_HPU_LAZY_MODE=0 steps run through torch.compile, once per bucket "
                 "(enforce_eager=True: op by op)."
             )
-        # A mixed prefill + decode step runs as two forward passes, each on a warmed bucket
-        # (step_layout.split_mixed); with LoRA each pass gets its own tokens' adapter slots
+        # A mixed prefill + decode step, or prompts that no bucket holds row by row when they
+        # must not share a row, run as several forward passes, each on a warmed bucket
+        # (step_layout.split_passes); with LoRA each pass gets its own tokens' adapter slots
         # (token_side_buffers). Not with pipeline stages (the next stage receives one tensor per
         # step) or data parallelism (every DP rank must meet the same MoE collectives, step by
         # step).
-        self.split_mixed_steps = (
+        self.steps_in_passes = (
             self.parallel_config.pipeline_parallel_size == 1
             and self.parallel_config.data_parallel_size == 1
         )
-        self.split_steps = 0  # mixed steps run as two passes
+        self.split_steps = 0  # steps run in passes
         self.idle_dp_steps = 0  # padding-only steps of this DP rank while others had requests
 
     # ------------------------------------------------------------------ device plumbing
@@ -384,8 +386,8 @@ class HPUModelRunner(GPUModelRunner):
         if self.parallel_config.data_parallel_size > 1:
             ctx_blocks = [-(-(s - q) // self.block_size) for s, q in zip(seq_lens, query_lens)]
             layout = self._agree_across_dp(layout, ctx_blocks)
-        elif self.split_mixed_steps:
-            layout = step_layout.split_mixed(layout)
+        elif self.steps_in_passes:
+            layout = step_layout.split_passes(layout, seq_lens, self.block_size, self.bucket_plan)
         self.recompiles.record(layout)
         self.step_metrics.record(layout, seq_lens, self.block_size, self.recompiles.count)
         if self.trace_recorder is not None:
@@ -447,8 +449,8 @@ class HPUModelRunner(GPUModelRunner):
         inputs_embeds: torch.Tensor | None = None,
         **model_kwargs: Any,
     ) -> Any:
-        """A serving step: replay its bucket's graph when it has one, else run eagerly; a mixed
-        step split in two parts runs one forward pass per part."""
+        """A serving step: replay its bucket's graph when it has one, else run eagerly; a step
+        laid out in passes (step_layout.split_passes) runs one forward pass per pass."""
         entry = None
         if self._planning and intermediate_tensors is None and not model_kwargs:
             layout = step_layout.current()

@@ -32,6 +32,9 @@ class RecompileTracker:
         self.count = 0
         self.seen: list[Bucket] = []
         self.hits: dict[str, int] = {}
+        # Serving steps with several prompts in one prefill row (packed; for a model with
+        # state-space layers only where no bucket holds them, even in passes).
+        self.packed_prefills = 0
         # Vision-encoder passes (runner/vision.py): the shapes warmed, those met after warmup.
         self.warmed_encoder: set[tuple] = set()
         self.encoder_seen: list[str] = []
@@ -39,6 +42,9 @@ class RecompileTracker:
     def record(self, layout: step_layout.StepLayout) -> None:
         if not self.warmup_done:
             return
+        one_pass = [p.layout for p in layout.parts.passes] if layout.parts else [layout]
+        if any(p.prefill and max(map(len, p.prefill.row_members)) > 1 for p in one_pass):
+            self.packed_prefills += 1
         for bucket in layout.buckets:
             self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
             if bucket in self.warmed:
