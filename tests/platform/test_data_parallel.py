@@ -184,6 +184,18 @@ def test_idle_rank_counts_each_padding_only_step_it_runs():
     assert rank.forwards == [(2 * 32 + 4, 0)] * 2  # the agreed buckets, no real token
 
 
+def test_a_padding_only_prefill_after_warmup_is_recorded_as_no_packed_row():
+    from vllm_gaudi_platform.runner.recompiles import RecompileTracker
+
+    tracker = RecompileTracker(strict=False)
+    agreed = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), _plan())
+    tracker.warmed.update(agreed.buckets)
+    tracker.warmup_done = True
+    tracker.record(agreed)  # its prefill part has no rows of requests
+    assert agreed.prefill.row_members == ()
+    assert (tracker.count, tracker.packed_prefills, tracker.hits["prompt"]) == (0, 0, 1)
+
+
 def test_an_idle_rank_of_a_mamba_hybrid_reads_and_writes_only_the_null_state_slot():
     from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
 

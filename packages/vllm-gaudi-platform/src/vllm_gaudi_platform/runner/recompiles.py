@@ -43,7 +43,8 @@ class RecompileTracker:
         if not self.warmup_done:
             return
         one_pass = [p.layout for p in layout.parts.passes] if layout.parts else [layout]
-        if any(p.prefill and max(map(len, p.prefill.row_members)) > 1 for p in one_pass):
+        # (a DP rank's padding-only prefill part has no rows)
+        if any(p.prefill and max(map(len, p.prefill.row_members), default=0) > 1 for p in one_pass):
             self.packed_prefills += 1
         for bucket in layout.buckets:
             self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
