@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -144,6 +145,9 @@ def run_dp(job: dict, **engine) -> dict:
             # with the other rank come from the DP engine core's busy loop, which only that
             # process runs. (The single and PP engines keep the core in the job's process.)
             "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            # vLLM logs to stdout, which carries this job's protocol: its log (an engine's
+            # traceback included) goes to the rank's log file instead.
+            "VLLM_LOGGING_STREAM": "ext://sys.stderr",
         }
         arg = json.dumps({**job, "engine": {**job["engine"], **engine}, "dp_rank": rank})
         logs.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115 - lives as long as the job
@@ -165,10 +169,26 @@ def run_dp(job: dict, **engine) -> dict:
             if line.startswith(prefix):
                 return line[len(prefix) :]
         proc.wait()
-        logs[rank].seek(0)
-        raise RuntimeError(
-            f"DP rank {rank} failed ({proc.returncode}):\n{logs[rank].read()[-6000:]}"
-        )
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+        report = []
+        for r in failed or [rank]:
+            logs[r].seek(0)
+            report.append(f"DP rank {r} failed ({procs[r].returncode}):\n{logs[r].read()[-6000:]}")
+        raise RuntimeError("\n".join(report))
+
+    # A rank that dies leaves the other blocked in a DP collective: end it too, so that the job
+    # fails at once with the dead rank's log instead of waiting for the test's timeout.
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(1.0):
+            if any(p.poll() not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                return
+
+    threading.Thread(target=watch, daemon=True).start()
 
     def tell_all(word: str) -> None:
         for proc in procs:
@@ -187,6 +207,7 @@ def run_dp(job: dict, **engine) -> dict:
         for proc in procs:
             proc.wait(timeout=120)
     finally:
+        done.set()
         for proc in procs:  # a failed rank leaves the other waiting in a collective
             if proc.poll() is None:
                 proc.kill()
