@@ -242,12 +242,13 @@ def split_passes(
     for q in layout.query_lens:
         starts.append(starts[-1] + q)
     query_lens = list(layout.query_lens)
-    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+    # Rows in groups (`_row_groups`): each group finds its bucket. Else one pass of the part.
+    ctx_lens = [s - q for s, q in zip(seq_lens, query_lens)] if len(groups) > 1 else []
     passes = []
     for requests in groups:
         part = prefill
         assert part is not None
-        if len(groups) > 1:  # each group finds its bucket (`_row_groups`)
+        if ctx_lens:
             part = plan_prefill(requests, query_lens, ctx_lens, block_size, plan, pack=False)
         renumber = {r: k for k, r in enumerate(requests)}
         rows = tuple(tuple(renumber[i] for i in row) for row in part.row_members)
