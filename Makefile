@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 SETUP_INPUTS := scripts/setup-dev.sh uv.lock pyproject.toml $(wildcard packages/*/pyproject.toml)
 
 .DEFAULT_GOAL := help
-.PHONY: help setup demo test lint format bench doctor
+.PHONY: help setup demo test test-unit test-profile lint format bench doctor
 
 help: ## list the targets
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -27,6 +27,20 @@ TEST_WORKERS ?= 2
 
 test: setup ## the whole test suite (two workers)
 	$(PY) -m pytest -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
+
+test-unit: setup ## the edit-run loop: every test that starts no engine and no fresh interpreter
+	$(PY) -m pytest -n $(TEST_WORKERS) --no-loadscope-reorder -m "not engine and not process" \
+		$(PYTEST_ARGS)
+
+# Where the suite's time goes: per module, wall seconds, engines and interpreters started,
+# tiny-model builds, warmup and torch.compile seconds (tests/costs.py); the table is printed at
+# the end and kept in $(PROFILE_DIR)/summary.txt.
+PROFILE_DIR ?= .test-profile
+
+test-profile: setup ## the whole suite, then the per-module time table
+	rm -rf $(PROFILE_DIR)
+	TEST_PROFILE_DIR=$(abspath $(PROFILE_DIR)) $(PY) -m pytest -n $(TEST_WORKERS) \
+		--no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup ## ruff lint + format check + type check (mypy, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .

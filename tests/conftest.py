@@ -21,6 +21,10 @@ from typing import Any
 
 import pytest
 
+# The cost markers (engine, process) are checked, and TEST_PROFILE_DIR=<folder> writes the
+# per-module time summary: tests/costs.py.
+pytest_plugins = ("tests.costs",)
+
 # Variables that change which platform and plugins load; never inherited by a test.
 SELECTION_VARIABLES = ("VLLM_PLUGINS", "VLLM_HPU_EMULATION", "VLLM_TARGET_DEVICE")
 
@@ -299,6 +303,35 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+_MODELINFO_FILL: subprocess.Popen[bytes] | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the process that hands out the tests (xdist's controller, or the only process), unless
+    engine tests are deselected: fill vLLM's model-info cache in the background
+    (tests/modelinfo_cache.py), so the engines do not each inspect their architecture in an
+    interpreter of its own. An engine that starts before its architecture is written inspects
+    it as vLLM always does."""
+    global _MODELINFO_FILL
+    if os.environ.get("PYTEST_XDIST_WORKER") or "not engine" in (config.option.markexpr or ""):
+        return
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}  # as a job's
+    env["VLLM_HPU_EMULATION"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _MODELINFO_FILL = subprocess.Popen(
+        [sys.executable, "-m", "tests.modelinfo_cache"],
+        cwd=root,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _MODELINFO_FILL is not None and _MODELINFO_FILL.poll() is None:
+        _MODELINFO_FILL.terminate()  # its cache files are written whole (vLLM's atomic writer)
 
 
 def worker_unit(nodeid: str) -> str:

@@ -137,6 +137,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.process
 def test_the_worker_round_trip_on_the_standin_hpu_device(run_python):
     from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
     from tests.integration.generation import job_result
@@ -208,6 +209,7 @@ for name, base in (("HpuCPUOffloadingSpec", CPUOffloadingSpec),
 """
 
 
+@pytest.mark.process
 def test_entry_point_registers_the_spec_once_even_when_run_twice(run_python):
     result = run_python(REGISTER_TWICE, {"VLLM_HPU_EMULATION": "cpu"})
     assert result.returncode == 0, result.stderr[-3000:]

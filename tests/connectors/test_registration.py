@@ -28,6 +28,7 @@ print(cls.__name__, issubclass(cls, NixlConnector), plugins.OUTCOMES["hpu_nixl"]
 """
 
 
+@pytest.mark.process
 def test_entry_point_registers_the_connector_once_even_when_run_twice(run_python):
     result = run_python(REGISTER_TWICE, {"VLLM_HPU_EMULATION": "cpu"})
 

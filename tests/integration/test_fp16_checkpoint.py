@@ -33,6 +33,7 @@ def resolution(fp16_model, run_python) -> subprocess.CompletedProcess[str]:
     return run_python(RESOLVE_DTYPES.format(model=fp16_model), env={"VLLM_HPU_EMULATION": "cpu"})
 
 
+@pytest.mark.process
 def test_float16_resolves_to_bfloat16_and_float32_stays(resolution):
     proc = resolution
     resolved = dict(
@@ -45,6 +46,7 @@ def test_float16_resolves_to_bfloat16_and_float32_stays(resolution):
     }, proc.stderr[-3000:]
 
 
+@pytest.mark.process
 def test_auto_and_float16_each_log_our_one_warning_and_float32_none(resolution):
     proc = resolution
     # vLLM logs to stdout, in order with the DTYPE lines: a config's log lines come before its

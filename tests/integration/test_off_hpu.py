@@ -82,11 +82,13 @@ def report(run_python) -> dict:
     return json.loads(lines[-1].removeprefix("OFFHPU "))
 
 
+@pytest.mark.process
 def test_vllm_keeps_its_own_platform_and_the_hpu_platform_plugin_declines(report):
     assert report["platform"] == "CpuPlatform"
     assert report["platform_plugins"] == {"hpu": None}
 
 
+@pytest.mark.process
 def test_every_general_plugin_loads_and_registers_nothing(report):
     outcomes = report["general_outcomes"]
     expected = {
@@ -109,15 +111,18 @@ def test_every_general_plugin_loads_and_registers_nothing(report):
     assert set(outcomes.values()) == {"skipped: active platform is not HPU"}
 
 
+@pytest.mark.process
 def test_the_stat_logger_plugin_loads_and_creates_no_hpu_metric(report):
     assert report["stat_loggers"] == {"hpu_metrics": False}
     assert report["hpu_collectors"] == []
 
 
+@pytest.mark.process
 def test_no_plugin_imports_the_platform_module_or_a_device_backend(report):
     assert report["imported"] == []
 
 
+@pytest.mark.process
 def test_our_loggers_say_nothing_above_debug(report):
     loud = [r for r in report["records"] if r[0] != "DEBUG"]
     assert loud == []
@@ -128,6 +133,7 @@ def test_our_loggers_say_nothing_above_debug(report):
     assert sum("hpu_metrics" in line for line in debug) == 1, debug
 
 
+@pytest.mark.process
 def test_the_platform_module_imports_and_fails_only_when_activated(report):
     error = report["activation_error"]
     assert error is not None

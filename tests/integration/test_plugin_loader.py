@@ -89,19 +89,23 @@ def scenarios(run_python):
     runner.close()
 
 
+@pytest.mark.process
 def test_emulation_makes_hpu_the_current_platform(scenarios):
     assert scenarios["emulated"]["platform"] == "HpuPlatform"
     assert scenarios["emulated"]["platform_path"] == "vllm_gaudi_platform.platform.HpuPlatform"
 
 
+@pytest.mark.process
 def test_without_emulation_or_gaudi_vllm_keeps_its_cpu_platform(scenarios):
     assert scenarios["no_emulation"]["platform"] == "CpuPlatform"
 
 
+@pytest.mark.process
 def test_general_plugins_register_nothing_when_the_platform_is_not_hpu(scenarios):
     assert scenarios["no_emulation"]["registry"] == {}
 
 
+@pytest.mark.process
 def test_vllm_plugins_hpu_and_norm_registers_rmsnorm_but_not_rotary(scenarios):
     registry = scenarios["hpu_and_norm"]["registry"]
 
@@ -110,14 +114,17 @@ def test_vllm_plugins_hpu_and_norm_registers_rmsnorm_but_not_rotary(scenarios):
     assert "RotaryEmbedding" not in registry
 
 
+@pytest.mark.process
 def test_vllm_plugins_without_hpu_leaves_vllm_on_its_cpu_platform(scenarios):
     assert scenarios["norm_without_hpu"]["platform"] == "CpuPlatform"
 
 
+@pytest.mark.process
 def test_vllm_plugins_without_hpu_registers_no_op(scenarios):
     assert scenarios["norm_without_hpu"]["registry"] == {}
 
 
+@pytest.mark.process
 def test_doctor_fails_and_says_hpu_is_missing_when_vllm_plugins_omits_it(console_script, clean_env):
     result = subprocess.run(
         [console_script("vllm-gaudi"), "doctor"],
@@ -133,6 +140,7 @@ def test_doctor_fails_and_says_hpu_is_missing_when_vllm_plugins_omits_it(console
     assert "add hpu" in result.stdout
 
 
+@pytest.mark.process
 def test_general_plugins_registry_is_the_same_in_either_order_and_twice(scenarios):
     forward, backward = scenarios["direct_in_order"], scenarios["direct_reversed"]
 
@@ -141,5 +149,6 @@ def test_general_plugins_registry_is_the_same_in_either_order_and_twice(scenario
     assert forward["registry"] == backward["registry"]
 
 
+@pytest.mark.process
 def test_direct_calls_register_what_vllms_loader_registers(scenarios):
     assert scenarios["direct_in_order"]["registry"] == scenarios["emulated"]["registry"]

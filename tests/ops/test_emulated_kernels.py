@@ -67,6 +67,7 @@ print("ISA", torch.backends.cpu.get_cpu_capability(), worst)
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("isa", ["AVX2", "machine default"])
 def test_linear_on_onednn_matches_the_formula_on_avx2_and_on_the_machines_own_kernels(
     isa, run_python

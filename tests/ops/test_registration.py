@@ -258,6 +258,7 @@ def test_ops_readme_families_table_lists_each_entry_point_and_the_classes_it_rep
 # --- registration through the entry points, in fresh processes ---------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
 def test_family_replaces_its_readme_classes_on_hpu(reports, entry_point):
     module = f"vllm_gaudi_ops.families.{FAMILIES[entry_point]}"
@@ -270,6 +271,7 @@ def test_family_replaces_its_readme_classes_on_hpu(reports, entry_point):
         assert report["registry"].get(name, "").startswith(f"{module}.Hpu"), name
 
 
+@pytest.mark.process
 def test_families_register_nothing_else(reports):
     expected = {name for _, names in _readme_families().values() for name in names}
     registry = reports["emulated"]["registry"]
@@ -277,6 +279,7 @@ def test_families_register_nothing_else(reports):
     assert {k for k, v in registry.items() if v.startswith("vllm_gaudi_ops.")} == expected
 
 
+@pytest.mark.process
 def test_register_twice_and_after_a_reset_changes_nothing_and_warns_nothing(reports):
     report = reports["emulated"]
 
@@ -284,6 +287,7 @@ def test_register_twice_and_after_a_reset_changes_nothing_and_warns_nothing(repo
     assert report["warnings"] == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("entry_point", sorted(ENTRY_POINTS))
 def test_every_replacement_keeps_the_in_tree_op_name(reports, entry_point):
     # Registering with register_custom_op alone renames the op to its class name ("RMSNorm"),
@@ -295,6 +299,7 @@ def test_every_replacement_keeps_the_in_tree_op_name(reports, entry_point):
         assert names[in_tree.__name__] == in_tree.name, in_tree.__name__
 
 
+@pytest.mark.process
 def test_custom_ops_minus_rms_norm_runs_vllms_native_norm_on_hpu(reports):
     disabled = reports["emulated"]["rms_norm_disabled"]
 
@@ -302,6 +307,7 @@ def test_custom_ops_minus_rms_norm_runs_vllms_native_norm_on_hpu(reports):
     assert disabled["forward"].endswith(".forward_native")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("family", sorted(FAMILIES.values()))
 def test_layers_built_by_model_code_run_the_gaudi_forward(reports, family):
     built = reports["emulated"]["built"].get(family)
@@ -315,11 +321,13 @@ def test_layers_built_by_model_code_run_the_gaudi_forward(reports, family):
         assert built["forward"].endswith(".forward_oot")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("family", sorted(FAMILIES.values()))
 def test_family_counter_shows_its_forward_oot_ran(reports, family):
     assert reports["emulated"]["counts"].get(family, 0) >= 1
 
 
+@pytest.mark.process
 def test_on_a_non_hpu_platform_register_does_nothing(reports):
     report = reports["cpu"]
 
@@ -329,6 +337,7 @@ def test_on_a_non_hpu_platform_register_does_nothing(reports):
         assert report["outcomes"][entry_point] == "skipped: active platform is not HPU"
 
 
+@pytest.mark.process
 def test_loading_the_entry_points_imports_neither_torch_nor_vllm(run_python):
     # vLLM loads every general plugin in every process, whatever the platform: loading must be
     # cheap, and must not import vLLM's layers (that imports vLLM's compiled kernels).

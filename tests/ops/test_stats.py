@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vllm_gaudi_ops import stats
 
 COUNT_TWICE = "from vllm_gaudi_ops import stats; stats.count('norm'); stats.count('rotary')"
@@ -57,6 +59,7 @@ def test_merge_into_file_adds_to_the_counts_already_there(tmp_path):
     assert json.loads(path.read_text()) == {"norm": 5, "moe": 1, "rotary": 5}
 
 
+@pytest.mark.process
 def test_each_process_adds_its_counts_to_the_file_at_exit(run_python, tmp_path):
     path = tmp_path / "stats.json"
 
@@ -67,6 +70,7 @@ def test_each_process_adds_its_counts_to_the_file_at_exit(run_python, tmp_path):
     assert json.loads(path.read_text()) == {"norm": 2, "rotary": 2}
 
 
+@pytest.mark.process
 def test_counts_reach_the_file_before_exit_so_a_killed_process_keeps_them(run_python, tmp_path):
     # vLLM SIGKILLs an engine process that misses its shutdown grace period; no exit handler
     # runs then. A family's first call is written at once.
@@ -79,6 +83,7 @@ def test_counts_reach_the_file_before_exit_so_a_killed_process_keeps_them(run_py
     assert json.loads(path.read_text()) == {"norm": 1, "rotary": 1}
 
 
+@pytest.mark.process
 def test_periodic_and_exit_writes_add_up_to_the_calls(run_python, tmp_path):
     path = tmp_path / "stats.json"
     many = (

@@ -11,6 +11,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(ROOT.glob("packages/*/src/*"))
 MAX_LINES = 600
@@ -156,6 +158,7 @@ print("ALONE " + json.dumps(results))
 """
 
 
+@pytest.mark.process
 def test_every_module_imports_alone_in_a_fresh_interpreter(run_python):
     names = sorted(set(modules()) - NEEDS_GAUDI)
     code = f"NAMES = {json.dumps(names)!r}\n{IMPORT_ALONE}"

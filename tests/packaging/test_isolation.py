@@ -77,6 +77,7 @@ def _declared_members(member, members) -> set[str]:
     return {canonicalize_name(Requirement(r).name) for r in member.dependencies} & names
 
 
+@pytest.mark.process
 def test_wheel_installs_alone_with_only_its_declared_siblings(venv, member, members, run_python):
     result = run_python(
         "from importlib import metadata; import json; print(json.dumps(sorted("
@@ -89,6 +90,7 @@ def test_wheel_installs_alone_with_only_its_declared_siblings(venv, member, memb
     assert set(json.loads(result.stdout)) == {member.name} | _declared_members(member, members)
 
 
+@pytest.mark.process
 def test_undeclared_siblings_are_not_importable_when_installed_alone(
     venv, member, members, run_python
 ):
@@ -107,12 +109,14 @@ def test_undeclared_siblings_are_not_importable_when_installed_alone(
     assert json.loads(result.stdout) == []
 
 
+@pytest.mark.process
 def test_package_imports_when_installed_alone(venv, member, run_python):
     result = run_python(f"import {member.import_name}", EMULATION, python=venv.python)
 
     assert result.returncode == 0, result.stderr[-5000:]
 
 
+@pytest.mark.process
 def test_entry_points_load_and_run_when_installed_alone(probe, member):
     expected = {name for eps in member.entry_points.values() for name in eps}
     failed = {
@@ -127,6 +131,7 @@ def test_entry_points_load_and_run_when_installed_alone(probe, member):
     )
 
 
+@pytest.mark.process
 def test_general_plugins_register_on_emulated_hpu_when_installed_alone(
     plugin_sibling, isolated_venv, run_python
 ):
@@ -143,6 +148,7 @@ def test_general_plugins_register_on_emulated_hpu_when_installed_alone(
     assert not_registered == {}
 
 
+@pytest.mark.process
 def test_doctor_passes_with_the_wheel_installed_alone(venv, console_script, clean_env):
     result = subprocess.run(
         [console_script("vllm-gaudi", venv.python), "doctor"],

@@ -9,8 +9,12 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+
+# The session's wheels are built by uv, whose build backend runs in interpreters of its own.
+pytestmark = pytest.mark.process
 
 # vLLM and torch must never be requirements: on Gaudi both come from Intel's image or a source
 # build, and pip would replace them with CUDA builds. vLLM is published under several names.

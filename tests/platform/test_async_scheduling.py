@@ -31,6 +31,7 @@ CONFIGS = (
 )
 
 
+@pytest.mark.process
 def test_async_scheduling_is_on_by_default_and_off_where_the_hpu_runner_cannot_use_it(
     run_python,
 ):

@@ -133,6 +133,7 @@ def test_backend_lists_the_fp8_cache_dtypes():
     assert {"fp8_inc", "fp8", "fp8_e4m3"} <= set(HPUAttentionBackend.supported_kv_cache_dtypes)
 
 
+@pytest.mark.process
 def test_vllms_uint8_fp8_cache_names_become_gaudis_fp8_cache(run_python):
     # vLLM stores "fp8"/"fp8_e4m3" as uint8 bytes; the HPU cache must be a real FP8 E4M3 tensor.
     code = (

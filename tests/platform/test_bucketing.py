@@ -408,6 +408,7 @@ def test_describe_abbreviates_long_value_lists():
     assert "values)" in text
 
 
+@pytest.mark.process
 def test_bucketing_imports_neither_torch_nor_vllm():
     code = (
         "import sys, vllm_gaudi_platform.bucketing; "

@@ -53,6 +53,7 @@ def results() -> dict:
         return dict(shared)
 
 
+@pytest.mark.process
 def test_all_gatherv_concatenates_every_ranks_rows_in_rank_order(results):
     full = torch.cat([_rank_tensor(r, SIZES[r]) for r in range(WORLD)])
     for rank in range(WORLD):
@@ -61,6 +62,7 @@ def test_all_gatherv_concatenates_every_ranks_rows_in_rank_order(results):
         torch.testing.assert_close(first_column, full[:, :1])
 
 
+@pytest.mark.process
 def test_reduce_scatterv_gives_each_rank_the_sum_of_its_own_rows(results):
     full = torch.cat([_rank_tensor(r, SIZES[r]) for r in range(WORLD)])
     summed = full * sum(r + 1 for r in range(WORLD))

@@ -182,6 +182,7 @@ def _cases(result) -> dict[str, str]:
     }
 
 
+@pytest.mark.process
 def test_eager_mode_compiles_in_the_runner_and_refuses_what_it_would_not_honour(run_python):
     cases = _cases(
         run_python(COMPILE_SETTINGS, {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "0"})
@@ -195,6 +196,7 @@ def test_eager_mode_compiles_in_the_runner_and_refuses_what_it_would_not_honour(
     assert "leave the compilation mode unset" in cases["trace-once"]
 
 
+@pytest.mark.process
 def test_lazy_mode_turns_dynamo_off_in_the_process_without_exporting_it(run_python):
     cases = _cases(
         run_python(COMPILE_SETTINGS, {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "1"})
@@ -204,6 +206,7 @@ def test_lazy_mode_turns_dynamo_off_in_the_process_without_exporting_it(run_pyth
     assert cases["default"] == "mode 0 dynamo-off True exported False"
 
 
+@pytest.mark.process
 def test_torch_compile_with_dynamo_disabled_is_refused_by_name(run_python):
     env = {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "0", "TORCHDYNAMO_DISABLE": "1"}
     cases = _cases(run_python(COMPILE_SETTINGS, env))

@@ -10,6 +10,10 @@ import pytest
 from vllm_gaudi_platform import cli, compat, envs
 from vllm_gaudi_platform.commands import doctor
 
+# The doctor probes NIXL's UCX backend in an interpreter of its own (once per process, in
+# whichever test asks first).
+pytestmark = pytest.mark.process
+
 JSON_KEYS = {"wheels", "entry_points", "vllm_plugins", "device", "versions", "problems", "ok"}
 
 

@@ -29,6 +29,7 @@ def _marked_files() -> list[str]:
     return files
 
 
+@pytest.mark.process
 @pytest.mark.timeout(600)
 def test_the_gaudi_tests_execute_at_least_90_percent_of_gaudi_py(tmp_path, clean_env):
     data = tmp_path / "coverage.data"

@@ -229,6 +229,7 @@ def test_the_stat_logger_publishes_nothing_off_the_hpu_platform(registry, monkey
     assert _value(registry, "vllm:hpu_recompiles_total") is None
 
 
+@pytest.mark.process
 def test_a_new_worker_removes_files_left_by_workers_that_are_gone(tmp_path):
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

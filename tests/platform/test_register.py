@@ -54,6 +54,7 @@ def test_register_never_raises_when_the_probe_fails(monkeypatch, caplog):
     assert "device runtime exploded" in _records(caplog, logging.WARNING)[0].getMessage()
 
 
+@pytest.mark.process
 def test_register_without_device_or_emulation_imports_neither_torch_nor_vllm(run_python):
     result = run_python(
         "import vllm_gaudi_platform as p; assert p.register() is None", args=("-X", "importtime")

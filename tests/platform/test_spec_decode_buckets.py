@@ -107,6 +107,7 @@ def test_warmup_lays_a_verify_bucket_out_as_prefill_rows_with_context():
     assert seq_lens == [1 + K + bucket.ctx_blocks * 128] * bucket.batch_size
 
 
+@pytest.mark.process
 def test_the_platform_refuses_an_unsupported_method_when_the_config_is_built(run_python):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"

@@ -54,6 +54,7 @@ def device(run_python) -> dict:
     return job_result(run_python(DEVICE_JOB, env=env, timeout=900), "stand-in device job")
 
 
+@pytest.mark.process
 def test_tensors_moved_or_created_on_hpu_stay_there_until_read_back(device):
     assert device["devices"] == ["hpu", "hpu", "hpu", "hpu", "cpu"]
     assert device["values"] is True
@@ -62,16 +63,19 @@ def test_tensors_moved_or_created_on_hpu_stay_there_until_read_back(device):
     assert device["module"] == ["hpu", "hpu"]
 
 
+@pytest.mark.process
 def test_an_op_mixing_hpu_and_cpu_tensors_is_refused_except_cpu_scalars(device):
     assert device["cpu_scalar_operand"] == "hpu"
     assert "tensors on hpu and cpu in one op" in device["mixed"]
     assert "(3, 4)" in device["mixed"]
 
 
+@pytest.mark.process
 def test_mixed_devices_when_allowed_give_the_engines_cpu_tensors(device):
     assert device["mixed_allowed"] == [True, "cpu"]
 
 
+@pytest.mark.process
 def test_torch_hpu_and_the_device_type_answer_for_the_stand_ins_generation(device):
     assert device["torch_hpu"] == [True, 0, 1]
     assert device["device_type"] == "synDeviceGaudi2"

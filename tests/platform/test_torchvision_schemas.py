@@ -75,12 +75,14 @@ def _probe(run_python, standin: Path, mode: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
 def test_without_the_hook_torchvision_does_not_import(run_python, standin):
     result = _probe(run_python, standin, "bare")
     assert result["imported"] is False
     assert "torchvision::nms" in result["error"]
 
 
+@pytest.mark.process
 def test_the_hook_defines_the_schemas_so_torchvision_imports(run_python, standin):
     result = _probe(run_python, standin, "hooked")
     assert result["imported"] is True and result["has_ops"] is False
@@ -89,6 +91,7 @@ def test_the_hook_defines_the_schemas_so_torchvision_imports(run_python, standin
     assert result["hooks_left"] == 0  # one shot
 
 
+@pytest.mark.process
 def test_the_installed_environment_imports_torchvision(run_python):
     """The set-up installs torchvision and the platform wheel's .pth installs the hook."""
     proc = run_python(

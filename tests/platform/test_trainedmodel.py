@@ -62,6 +62,7 @@ def test_perplexity_is_exp_of_the_mean_negative_logprob():
         trainedmodel.perplexity([[]])
 
 
+@pytest.mark.process  # trains in a process of its own
 def test_training_with_the_same_seed_gives_identical_weights(small, tmp_path: Path):
     first = trainedmodel.build(root=tmp_path / "a", progress=False)
     second = trainedmodel.build(root=tmp_path / "b", progress=False)
@@ -71,6 +72,7 @@ def test_training_with_the_same_seed_gives_identical_weights(small, tmp_path: Pa
     assert trainedmodel.metrics(first)["train_loss"] == trainedmodel.metrics(second)["train_loss"]
 
 
+@pytest.mark.process  # trains in a process of its own
 def test_the_weights_do_not_depend_on_the_thread_count(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -86,6 +88,7 @@ def test_the_weights_do_not_depend_on_the_thread_count(
     assert one == two
 
 
+@pytest.mark.process  # trains in a process of its own
 def test_the_weights_do_not_depend_on_the_kernels_the_caller_asks_for(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
@@ -133,6 +136,7 @@ def test_training_uses_one_thread_on_a_busy_machine(monkeypatch: pytest.MonkeyPa
     assert trainedmodel.training_threads() == 2
 
 
+@pytest.mark.process  # trains in a process of its own
 def test_a_cached_model_is_returned_without_training(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

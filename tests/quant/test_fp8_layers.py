@@ -125,11 +125,13 @@ def layers_result(request, all_results):
     return all_results[request.param]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_every_vllm_linear_class_runs_the_hpu_fp8_method(layers_result, case):
     assert {r["method"] for r in layers_result[case].values()} == {"HpuFp8LinearMethod"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_weights_stay_fp8_laid_out_k_by_n(layers_result, case):
     for result in layers_result[case].values():
@@ -139,6 +141,7 @@ def test_weights_stay_fp8_laid_out_k_by_n(layers_result, case):
         ]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("block")])
 def test_checkpoint_weights_load_without_rerounding(layers_result, case):
     # F10: on Gaudi 2 (E4M3 up to 240) weights written for 448 are halved and their scales
@@ -148,6 +151,7 @@ def test_checkpoint_weights_load_without_rerounding(layers_result, case):
     assert max(changed.values()) <= 0.01, changed
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_linear_matches_the_float_linear_on_dequantized_weights(layers_result, case):
     tolerance = FP8_MATMUL_TOLERANCE if case.startswith("block") else FP8_WEIGHT_ONLY_TOLERANCE

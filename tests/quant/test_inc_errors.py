@@ -79,37 +79,45 @@ def _error(outcomes, case):
     return result["message"]
 
 
+@pytest.mark.process
 def test_no_engine_process_starts_for_any_bad_input(outcomes):
     assert "EngineCore" not in outcomes[1]
     assert all(r["error"] for r in outcomes[0].values())
 
 
+@pytest.mark.process
 def test_unset_quant_config_is_named(outcomes):
     assert "QUANT_CONFIG is not set" in _error(outcomes, "unset")
 
 
+@pytest.mark.process
 def test_missing_quant_config_file_is_named(outcomes):
     assert "nope.json: no such file" in _error(outcomes, "missing")
 
 
+@pytest.mark.process
 def test_malformed_quant_config_is_named_with_the_line(outcomes):
     message = _error(outcomes, "malformed")
     assert "bad.json is not valid JSON (line 1" in message
 
 
+@pytest.mark.process
 def test_quant_config_for_another_model_is_refused(outcomes):
     message = _error(outcomes, "other_model")
     assert "was made for model 'some-other-model'" in message and "vllm-gaudi calibrate" in message
 
 
+@pytest.mark.process
 def test_mode_the_cpu_cannot_run_names_the_key_and_the_value_that_works(outcomes):
     assert 'set "use_qdq": "True"' in _error(outcomes, "cpu_mode")
 
 
+@pytest.mark.process
 def test_measure_with_data_parallelism_is_refused(outcomes):
     assert "data_parallel_size=2" in _error(outcomes, "measure_dp")
 
 
+@pytest.mark.process
 def test_kv_cache_dtype_the_backend_cannot_store_lists_the_ones_it_can(outcomes):
     message = _error(outcomes, "kv_dtype")
     assert "kv_cache_dtype='fp8_e5m2' is not supported on HPU" in message
@@ -130,6 +138,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.process
 def test_missing_neural_compressor_names_the_install_command(run_python, tmp_path):
     config = _config(tmp_path, "m.json", MEASURE)
     proc = run_python(
@@ -143,6 +152,7 @@ def test_missing_neural_compressor_names_the_install_command(run_python, tmp_pat
     assert "EngineCore" not in proc.stderr
 
 
+@pytest.mark.process
 def test_calibrate_names_a_missing_dataset(console_script, clean_env, tmp_path):
     import subprocess
 
@@ -165,6 +175,7 @@ def test_calibrate_names_a_missing_dataset(console_script, clean_env, tmp_path):
     assert f"--dataset {tmp_path / 'x.jsonl'}: no such file" in proc.stderr
 
 
+@pytest.mark.process
 def test_calibrate_names_a_bad_dataset_line(console_script, clean_env, tmp_path):
     import subprocess
 
@@ -189,6 +200,7 @@ def test_calibrate_names_a_bad_dataset_line(console_script, clean_env, tmp_path)
     assert 'line 2 has no "text" or "prompt" string' in proc.stderr
 
 
+@pytest.mark.process
 def test_calibrate_without_the_quant_wheel_names_the_install_command(run_python):
     proc = run_python(
         "import sys\n"

@@ -177,15 +177,18 @@ def flow(request, run_python) -> dict:
 LAYERS = ("qkv", "o", "up", "col", "rep")
 
 
+@pytest.mark.process
 def test_runs_on_the_gaudi_backend_of_the_requested_generation(flow, request):
     assert flow["backend"] == "gaudi"
     assert flow["generation"] == (2 if "gaudi2" in request.node.callspec.id else 3)
 
 
+@pytest.mark.process
 def test_neural_compressor_measures_every_vllm_linear_class_on_the_device(flow):
     assert flow["stats_nodes"] == sorted(LAYERS)
 
 
+@pytest.mark.process
 def test_neural_compressor_patches_vllm_layers_with_its_own_hpu_modules(flow):
     # On the HPU path neural-compressor registers vLLM's classes itself (our CPU-path
     # registrations, Hpu*, are not used).
@@ -195,10 +198,12 @@ def test_neural_compressor_patches_vllm_layers_with_its_own_hpu_modules(flow):
     assert classes["rep"] == "PatchedReplicatedLinear"
 
 
+@pytest.mark.process
 def test_weights_are_stored_in_fp8_on_the_device(flow):
     assert set(map(tuple, flow["weights"].values())) == {("torch.float8_e4m3fn", "hpu")}
 
 
+@pytest.mark.process
 def test_scales_are_the_generations_hardware_scales(flow):
     for name, scales in flow["scales"].items():
         for scale in scales:
@@ -210,6 +215,7 @@ def test_scales_are_the_generations_hardware_scales(flow):
                 assert -55 <= int(exponent.split("p")[1]) <= 7, (name, scale)
 
 
+@pytest.mark.process
 def test_maxabs_pow2_gives_power_of_two_scales_and_the_same_fp8_arithmetic(flow):
     pow2 = flow["pow2"]
     for name, scales in pow2["scales"].items():
@@ -220,6 +226,7 @@ def test_maxabs_pow2_gives_power_of_two_scales_and_the_same_fp8_arithmetic(flow)
     assert pow2["weight_err"] == dict.fromkeys(LAYERS, 0.0)
 
 
+@pytest.mark.process
 def test_every_layer_runs_gaudis_fp8_kernels_and_no_float_matmul(flow):
     ops = flow["ops"]
     assert ops.get("hpu::cast_to_fp8_v2") == len(LAYERS), ops
@@ -227,26 +234,31 @@ def test_every_layer_runs_gaudis_fp8_kernels_and_no_float_matmul(flow):
     assert not {"aten::mm", "aten::addmm", "aten::matmul", "aten::linear"} & set(ops), ops
 
 
+@pytest.mark.process
 def test_outputs_equal_an_independent_fp8_reference(flow):
     for name, err in flow["ref_err"].items():
         assert err <= 2**-7, (name, err)  # one bf16 rounding of the output
 
 
+@pytest.mark.process
 def test_stored_weights_are_the_float_weights_over_their_scale_in_e4m3(flow):
     assert flow["weight_err"] == dict.fromkeys(LAYERS, 0.0)
 
 
+@pytest.mark.process
 def test_an_outlier_weight_is_covered_by_its_scale_not_saturated(flow):
     stored_max, scale = flow["outlier"]
     assert stored_max * scale == pytest.approx(30.0, rel=2**-3)  # E4M3: 3 mantissa bits
 
 
+@pytest.mark.process
 def test_moe_experts_are_left_in_high_precision_and_named(flow):
     # neural-compressor patches vLLM's MoE by the class name FusedMoE, which vLLM 0.32's routed
     # experts do not carry: the experts stay bf16 on a Gaudi too, and the config says which.
     assert flow["experts"] == ["RoutedExperts", "torch.bfloat16", ["moe"]]
 
 
+@pytest.mark.process
 def test_quantized_layers_stay_within_fp8_error_of_the_float_layers(flow):
     for name, err in flow["rel_err"].items():
         assert 0.0 < err < 0.08, (name, err)

@@ -98,14 +98,17 @@ def layers_result(run_python, tmp_path_factory):
 LAYERS = ("qkv", "o", "up", "col", "rep")
 
 
+@pytest.mark.process
 def test_measurement_does_not_change_layer_outputs(layers_result):
     assert layers_result["measured_exact"] == dict.fromkeys(LAYERS, True)
 
 
+@pytest.mark.process
 def test_every_vllm_linear_class_is_measured(layers_result):
     assert layers_result["stats_nodes"] == sorted(LAYERS)
 
 
+@pytest.mark.process
 def test_every_vllm_linear_class_is_patched_by_neural_compressor(layers_result):
     classes = layers_result["classes"]
     assert classes["qkv"] == classes["up"] == classes["col"] == "HpuPatchedColumnParallelLinear"
@@ -113,10 +116,12 @@ def test_every_vllm_linear_class_is_patched_by_neural_compressor(layers_result):
     assert classes["rep"] == "HpuPatchedReplicatedLinear"
 
 
+@pytest.mark.process
 def test_quantized_weights_are_stored_in_fp8(layers_result):
     assert set(layers_result["weight_dtypes"].values()) == {"torch.float8_e4m3fn"}
 
 
+@pytest.mark.process
 def test_quantized_layers_stay_within_fp8_error_of_the_float_layers(layers_result):
     assert all(layers_result["shapes_ok"].values())
     for name, err in layers_result["rel_err"].items():

@@ -65,14 +65,17 @@ def without_awq(run_python, tmp_path_factory):
     return _run(run_python, tmp_path_factory.mktemp("trimmed"), {"VLLM_PLUGINS": plugins})
 
 
+@pytest.mark.process
 def test_supported_quantization_lists_every_registered_method(every_method):
     assert every_method["supported"] == ALL_METHODS
 
 
+@pytest.mark.process
 def test_an_awq_checkpoint_resolves_to_the_hpu_awq_method(every_method):
     assert every_method["cases"]["awq-checkpoint"] == {"ok": "awq_hpu"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("method", ["experts_int8", "mxfp4"])
 def test_a_method_hpu_cannot_run_is_refused_naming_it_and_the_supported_ones(every_method, method):
     error = every_method["cases"][method]["error"]
@@ -80,6 +83,7 @@ def test_a_method_hpu_cannot_run_is_refused_naming_it_and_the_supported_ones(eve
     assert ", ".join(ALL_METHODS) in error
 
 
+@pytest.mark.process
 def test_a_trimmed_entry_point_drops_its_method_from_the_supported_list(without_awq):
     assert without_awq["supported"] == [
         "inc",
@@ -90,6 +94,7 @@ def test_a_trimmed_entry_point_drops_its_method_from_the_supported_list(without_
     ]
 
 
+@pytest.mark.process
 def test_an_awq_checkpoint_without_the_awq_entry_point_is_refused(without_awq):
     # vLLM's own AWQ method (CUDA kernels) would take it: refused, naming it and what HPU runs.
     error = without_awq["cases"]["awq-checkpoint"]["error"]

@@ -133,23 +133,27 @@ def layers_result(run_python, job_backend):
     return job_result(proc, f"layer job ({job_backend.name})")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", INT4_CASES)
 def test_every_vllm_linear_class_runs_the_hpu_4bit_method(layers_result, case):
     expected = next(cls for prefix, cls in METHODS.items() if case.startswith(prefix))
     assert {r["method"] for r in layers_result[case].values()} == {expected}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", INT4_CASES)
 def test_4bit_linear_matches_the_float_linear_on_dequantized_weights(layers_result, case):
     for layer, r in layers_result[case].items():
         assert r["close"], f"{case} {layer}: max error {r['max_err']} (outputs up to {r['scale']})"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES)
 def test_every_vllm_linear_class_runs_the_hpu_fp8_scheme(layers_result, case):
     assert {r["method"] for r in layers_result[case].values()} == {"HpuW8A8Fp8"}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES)
 def test_w8a8_fp8_linear_stays_within_activation_rounding_of_the_float_linear(layers_result, case):
     for layer, r in layers_result[case].items():

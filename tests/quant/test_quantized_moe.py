@@ -327,6 +327,7 @@ def moe_result(run_python, job_backend):
     return job_result(proc, f"MoE layer job ({job_backend.name})")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", ["awq", "fp8-tensor-static", "ct-fp8-channel-dynamic"])
 def test_router_weight_on_the_input_scales_the_tokens_not_the_expert_outputs(moe_result, case):
     # Llama 4 (top-1): equal to renormalized routing over pre-scaled tokens, and not the output
@@ -336,17 +337,20 @@ def test_router_weight_on_the_input_scales_the_tokens_not_the_expert_outputs(moe
     assert result["gap_to_weighted_output"] > 1e-3
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_vllm_moe_layer_runs_the_hpu_4bit_moe_method(moe_result, case):
     expected = next(cls for prefix, cls in METHODS.items() if case.startswith(prefix))
     assert moe_result[case]["method"] == expected
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_every_expert_tensor_of_the_checkpoint_is_loaded(moe_result, case):
     assert moe_result[case]["unloaded"] == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_experts_are_repacked_into_the_uint4_kernel_layout(moe_result, case):
     params = moe_result[case]["params"]
@@ -357,33 +361,39 @@ def test_experts_are_repacked_into_the_uint4_kernel_layout(moe_result, case):
     assert not any("packed" in name or "g_idx" in name for name in params)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES)
 def test_4bit_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
     r = moe_result[case]
     assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES + FP8_CASES + FP8_FORMAT_CASES)
 def test_the_moe_method_hands_each_tokens_experts_to_vllms_routing_sink(moe_result, case):
     r = moe_result[case]
     assert r["captured"] == [r["routed"]], "one capture per call, the top-k experts of each token"
 
 
+@pytest.mark.process
 def test_act_order_experts_whose_gate_and_up_disagree_are_refused_by_name(moe_result):
     error = moe_result["errors"]["gptq-act-order-mismatch"]
     assert error is not None and "g_idx" in error and "block_sparse_moe.experts" in error
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
 def test_fp8_experts_run_the_hpu_fp8_moe_method(moe_result, case):
     assert moe_result[case]["method"] == "HpuFp8MoEMethod"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
 def test_every_fp8_expert_tensor_of_the_checkpoint_is_loaded(moe_result, case):
     assert moe_result[case]["unloaded"] == []
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES)
 def test_fp8_experts_stay_fp8_with_one_scale_per_output_row(moe_result, case):
     params = moe_result[case]["params"]
@@ -394,6 +404,7 @@ def test_fp8_experts_stay_fp8_with_one_scale_per_output_row(moe_result, case):
     assert params["w2_weight_scale"] == ["torch.float32", [experts, hidden]]
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", [c for c in FP8_CASES + FP8_FORMAT_CASES if "static" in c])
 def test_static_input_scales_of_fp8_experts_load_per_expert(moe_result, case):
     scales = moe_result[case]["static_input_scales"]
@@ -401,6 +412,7 @@ def test_static_input_scales_of_fp8_experts_load_per_expert(moe_result, case):
     assert scales["w2"] == pytest.approx(scales["want_w2"])
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", FP8_CASES + FP8_FORMAT_CASES)
 def test_fp8_moe_matches_the_float_moe_on_dequantized_weights(moe_result, case):
     r = moe_result[case]
@@ -411,12 +423,14 @@ W8A8_CASES = tuple(c for c in FP8_CASES + FP8_FORMAT_CASES if "block" not in c)
 GAUDI2_CASES = tuple(f"gaudi2:{c}" for c in FP8_CASES + FP8_FORMAT_CASES)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", GAUDI2_CASES)
 def test_fp8_moe_on_gaudi2_matches_its_reference(moe_result, case):
     r = moe_result[case]
     assert r["close"], f"{case}: max error {r['max_err']} (outputs up to {r['scale']})"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", W8A8_CASES + tuple(f"gaudi2:{c}" for c in W8A8_CASES))
 def test_fp8_experts_quantize_their_activations_w8a8(moe_result, case):
     """The FP8 experts match the W8A8 reference (FP8 tokens and intermediates) and NOT the W8A16
@@ -429,10 +443,12 @@ def test_fp8_experts_quantize_their_activations_w8a8(moe_result, case):
     assert r["w8a16_err"] > 10 * tolerance, r
 
 
+@pytest.mark.process
 def test_block_scaled_fp8_experts_run_w8a16(moe_result):
     assert moe_result["fp8-block"]["w8a8"] is False
 
 
+@pytest.mark.process
 def test_block_scaled_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused_by_name(
     moe_result,
 ):
@@ -441,6 +457,7 @@ def test_block_scaled_fp8_experts_of_a_compressed_tensors_checkpoint_are_refused
     assert "block" in error.split("activations")[0].lower() and "W8A8-FP8" in error
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", CASES + FP8_CASES + FP8_FORMAT_CASES)
 def test_one_token_hands_the_kernel_only_its_routed_experts_with_the_same_result(moe_result, case):
     # 4-bit and block-scaled FP8 experts are gathered before they are dequantized; FP8 experts
