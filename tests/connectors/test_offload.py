@@ -301,7 +301,10 @@ def engines(tmp_path_factory) -> dict[str, dict]:
         "engine": {**fp8, "kv_transfer_config": _offloading(64 << 20)},
     }
     jobs["fp8-reference"] = {**jobs["host-memory"], "engine": {**fp8, **BIG_CACHE}}
-    proc = run_job(JOB, json.dumps(jobs), {"PYTHONPATH": str(REPO)})
+    # One engine after another in one process: 300 s each, as the other multi-engine jobs allow
+    # (at the start of a run the NIXL deployments' servers load both cores; 600 s for all of
+    # them ran out on a 2-core machine, with every engine still making progress).
+    proc = run_job(JOB, json.dumps(jobs), {"PYTHONPATH": str(REPO)}, timeout=300 * len(jobs))
     results = named_job_outputs(proc)
     if set(results) != set(jobs):
         pytest.fail(f"the offload jobs printed {sorted(results)}:\n{proc.stderr[-5000:]}")
