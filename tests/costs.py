@@ -218,7 +218,7 @@ def _time_builds() -> None:
     for module_name, names in (
         ("vllm_gaudi_platform.testing.tinymodels", ("build",)),
         ("vllm_gaudi_platform.testing.tinyvision", ("build",)),
-        ("vllm_gaudi_platform.testing.trainedmodel", ("build", "ensure")),
+        ("vllm_gaudi_platform.testing.trainedmodel", ("build",)),
     ):
         try:
             module = importlib.import_module(module_name)
