@@ -330,6 +330,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests import zygote
+
+    zygote.stop_all()
     if _MODELINFO_FILL is not None and _MODELINFO_FILL.poll() is None:
         _MODELINFO_FILL.terminate()  # its cache files are written whole (vLLM's atomic writer)
 

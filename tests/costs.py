@@ -53,6 +53,8 @@ def process_kind(argv: Any) -> str | None:
     starts no Python (a library's ldconfig or gcc, git)."""
     args = [os.fspath(a) for a in argv] if isinstance(argv, list | tuple) else [os.fspath(argv)]
     first = os.path.basename(args[0])
+    if len(args) > 1 and os.path.basename(args[1]) == "zygote.py":
+        return None  # the preloaded interpreter (tests/zygote.py): each job it forks is checked
     interpreter = (
         first.startswith("python")
         or os.path.dirname(args[0]) == _BIN
@@ -162,18 +164,40 @@ def _read_output(entry: dict[str, Any] | None, kind: str, *streams: Any) -> None
         _check("engine", f"its {kind} child printed vLLM's engine start")
 
 
+class Child:
+    """A child interpreter a test asked for, checked against the test's markers when it starts
+    and, when profiling, recorded; `ended` takes what it printed. subprocess.Popen makes one for
+    every child (below); tests/zygote.py for each job it forks."""
+
+    def __init__(self, args: Any, *, checked: bool = True) -> None:
+        self.kind = process_kind(args)
+        self.profile = None
+        if self.kind is not None:
+            if checked:
+                _check(self.kind, " ".join(os.fspath(x) for x in args)[:160])
+            if _recorder is not None:
+                self.profile = _recorder.child_started(self.kind)
+
+    def discard(self) -> None:
+        """It never started."""
+        if _recorder is not None and self.profile in _recorder.children:
+            _recorder.children.remove(self.profile)
+
+    def ended(self, *streams: Any) -> None:
+        entry = self.profile
+        if entry is not None and entry["seconds"] is None:
+            entry["seconds"] = time.perf_counter() - entry["start"]
+        if self.kind is not None and streams:
+            _read_output(entry, self.kind, *streams)
+
+
 class _CheckedPopen(subprocess.Popen):  # type: ignore[type-arg]
     """subprocess.Popen (which subprocess.run uses) that checks the test's cost markers and,
     when profiling, records the child."""
 
     def __init__(self, args: Any, *a: Any, **kw: Any) -> None:
-        self._kind = process_kind(args)
-        self._profile = None
-        if self._kind is not None:
-            if not _started_by_a_library():
-                _check(self._kind, " ".join(os.fspath(x) for x in args)[:160])
-            if _recorder is not None:
-                self._profile = _recorder.child_started(self._kind)
+        child = Child(args, checked=not _started_by_a_library())
+        self._kind, self._profile = child.kind, child.profile
         super().__init__(args, *a, **kw)
 
     def _ended(self) -> None:

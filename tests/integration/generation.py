@@ -60,7 +60,9 @@ def run_job(
     """`python script arg` in a fresh process that inherits no VLLM_* variable from this one: the
     HPU platform in emulation (`emulate`) or vLLM's own CPU backend with no plugin, plus `env`.
 
-    The engine core runs inside the job's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless `env`
+    The job is forked from a preloaded interpreter (tests/zygote.py) where its environment
+    allows, else started fresh. The engine core runs inside the job's process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless `env`
     says otherwise: a spawned engine-core process imports torch and vLLM a second time, 20-50 s
     per job on a loaded 2-core machine, and every engine of a multi-engine job pays it again.
     The served tests (openai_server, tests/connectors) keep vLLM's engine-core process."""
@@ -75,13 +77,22 @@ def run_job(
             run_env.pop(name, None)
         else:
             run_env[name] = value
-    return subprocess.run(
-        [sys.executable, str(script), arg],
-        capture_output=True,
-        text=True,
-        env=run_env,
-        timeout=timeout,
-    )
+    from tests import costs, zygote
+
+    argv = [sys.executable, str(script), arg]
+    preloaded = zygote.for_env(run_env)
+    if preloaded is not None:
+        child = costs.Child(argv)
+        try:
+            proc = preloaded.run(argv, run_env, timeout)
+        except subprocess.TimeoutExpired as timed_out:
+            child.ended(timed_out.stdout, timed_out.stderr)
+            raise
+        if proc is not None:
+            child.ended(proc.stdout, proc.stderr)
+            return proc
+        child.discard()  # refused (see zygote.py): started fresh below
+    return subprocess.run(argv, capture_output=True, text=True, env=run_env, timeout=timeout)
 
 
 def job_output(proc: subprocess.CompletedProcess[str]) -> Any:
