@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -241,8 +242,7 @@ class Zygote:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def run(
         self, argv: Sequence[str], env: Mapping[str, str], timeout: float | None

@@ -33,11 +33,17 @@ sys.exit(int(sys.argv[1]))
 
 @pytest.fixture(scope="module")
 def preloaded():
+    """A preloaded interpreter of the module's own (the worker's may serve other environments,
+    or be at its limit of two)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    interpreter = zygote.for_env(env)
-    if interpreter is None:
-        pytest.fail("the preloaded interpreter did not start (TEST_ZYGOTE=0 set?)")
-    return interpreter, env
+    interpreter = zygote.Zygote(env)
+    try:
+        if not interpreter.wait_ready():
+            with open(interpreter.log, errors="replace") as log:
+                pytest.fail(f"the preloaded interpreter did not start:\n{log.read()[-3000:]}")
+        yield interpreter, env
+    finally:
+        interpreter.stop()
 
 
 def _job(tmp_path, body: str = PROBE) -> str:
