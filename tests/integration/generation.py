@@ -80,9 +80,11 @@ def run_job(
     from tests import costs, zygote
 
     argv = [sys.executable, str(script), arg]
+    child = costs.Child(argv)  # the markers are checked before any interpreter starts
     preloaded = zygote.for_env(run_env)
-    if preloaded is not None:
-        child = costs.Child(argv)
+    if preloaded is None:
+        child.discard()
+    else:
         try:
             proc = preloaded.run(argv, run_env, timeout)
         except subprocess.TimeoutExpired as timed_out:
