@@ -18,7 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
-from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
+from tests.integration.compile_job import (
+    assert_compiled_only_in_warmup,
+    assert_matches_eager,
+    fitted_plan_env,
+)
 from tests.integration.generation import (
     COMPILE_ENGINE,
     assert_close,
@@ -141,9 +145,12 @@ def compiled_runs(tmp_path_factory) -> dict[str, dict]:
     paths["mixtral-fp8-static"], _ = fp8_checkpoints.write(
         "mixtral-fp8-static", tmp_path_factory.mktemp("mixtral-fp8"), make_prompts()
     )
+    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
     job = json.dumps(
         {
-            "cases": {name: {"model": str(paths[name])} for name in COMPILED},
+            # The buckets of test_torch_compile.py's cases (compile_job.fitted_plan_env): the
+            # lazy-mode engines above warm exp's whole plan on the same backend.
+            "cases": {name: {"model": str(paths[name]), "env": fitted} for name in COMPILED},
             "prompts": make_prompts()[:6],
             "max_tokens": MAX_TOKENS,
             "engine": COMPILE_ENGINE,
@@ -164,4 +171,5 @@ def test_gaudi_py_compiles_once_per_bucket_and_equals_its_eager_engine(compiled_
     result = compiled_runs[name]
     stats = assert_matches_eager(name, result, LOGPROB_TOLERANCE)
     assert stats["graphs_enabled"] is False  # no HPUGraph outside lazy mode
+    assert stats["bucket_plan"].startswith("bucketing strategy fitted"), stats["bucket_plan"]
     assert_compiled_only_in_warmup(stats)

@@ -14,6 +14,7 @@ import pytest
 from tests.integration.compile_job import (
     assert_compiled_only_in_warmup,
     assert_matches_eager,
+    fitted_plan_env,
     ran_both_ways,
 )
 from tests.integration.generation import COMPILE_ENGINE, make_prompts, named_job_outputs, run_job
@@ -56,6 +57,10 @@ LOGPROB_TOLERANCE = 1e-4
 # token (tokens identical; the same at the previous release of this test, so not a regression).
 FP8_KV_CASES = {"ct-wna16-kv-fp8": 1e-3, "mixtral-fp8-static": 1e-2}
 EMBEDDING_TOLERANCE = 1e-5  # unit-norm vectors, float32 on both sides
+# BERT keeps exp's plan: its check is that prompt buckets differing only in context blocks compile
+# once (no KV cache), which needs a plan with such buckets; and under the fitted plan its
+# 512-token packed prefill bucket compiled while serving (seen once, not yet explained).
+EXP_PLAN_CASES = ("bert",)
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +137,13 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "max_tokens": MAX_TOKENS,
         "engine": COMPILE_ENGINE,
     }
+    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
+    for name in CASES:
+        if name not in EXP_PLAN_CASES:
+            cases[name]["env"] = fitted
     script = Path(__file__).with_name("compile_job.py")
-    proc = run_job(script, json.dumps(job), {"PT_HPU_LAZY_MODE": "0"}, timeout=300 * len(CASES))
+    env = {"PT_HPU_LAZY_MODE": "0"}
+    proc = run_job(script, json.dumps(job), env, timeout=300 * len(CASES))
     outputs = named_job_outputs(proc)
     return {
         name: outputs.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
@@ -158,6 +168,8 @@ def test_compiles_once_per_bucket_and_never_after_warmup(runs, name):
     result = runs[name]
     assert "error" not in result, result.get("error")
     stats = result["compiled"]["stats"]
+    strategy = "exp" if name in EXP_PLAN_CASES else "fitted"
+    assert stats["bucket_plan"].startswith(f"bucketing strategy {strategy}"), stats["bucket_plan"]
     assert_compiled_only_in_warmup(stats)
     assert stats["recompiles"] == 0  # every step's buckets were warmed
     by_bucket = stats["compiles_by_bucket"]
