@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -155,20 +154,15 @@ def fitted_plan_env(folder: Path) -> dict[str, str]:
 
 
 def main(job: dict) -> None:
+    from engine_job import environment  # this script's folder is first on sys.path
+
     for name, case in job["cases"].items():
         engine = {**job["engine"], **case.get("engine", {})}
-        saved = {key: os.environ.get(key) for key in case.get("env", {})}
-        os.environ.update(case.get("env", {}))
         try:
-            result = run_case(case["model"], engine, job, case)
+            with environment(case.get("env", {})):
+                result = run_case(case["model"], engine, job, case)
         except Exception:
             result = {"error": traceback.format_exc()[-6000:]}
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         print(f"RESULT {name} " + json.dumps(result), flush=True)
 
 

@@ -18,7 +18,26 @@ generation.run_job's default).
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """Sets env in os.environ for the engine started inside, then puts back what was there (the
+    next engine of a job that runs several sees the job's environment again)."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def completion(output) -> dict:

@@ -13,29 +13,20 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import sys
 import traceback
 
-from engine_job import run  # this script's folder is first on sys.path
+from engine_job import environment, run  # this script's folder is first on sys.path
 
 
 def main(jobs: dict[str, dict]) -> None:
     for name, job in jobs.items():
-        env = job.pop("env", {})
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
         try:
-            result = run(job)
+            with environment(job.pop("env", {})):
+                result = run(job)
         except Exception as exc:  # report, and let the next job run
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
         gc.collect()  # the finished job's engine shuts down before the next one starts
         print(f"RESULT {name} " + json.dumps(result), flush=True)
 
