@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
-from tests.integration.compile_job import assert_compiled_only_in_warmup, assert_matches_eager
+from tests.integration.compile_job import (
+    assert_compiled_only_in_warmup,
+    assert_matches_eager,
+    fitted_plan_env,
+)
 from tests.integration.generation import (
     COMPILE_ENGINE,
     ENGINE,
@@ -143,11 +147,13 @@ def gaudi_quantized(model, gaudi_calibration):
 
 
 @pytest.fixture(scope="module")
-def compiled(model, calibration) -> dict:
+def compiled(model, calibration, tmp_path_factory) -> dict:
     """The QUANTIZE config through torch.compile (PT_HPU_LAZY_MODE=0, as a Gaudi runs by
-    default), then op by op in the same engine (tests/integration/compile_job.py)."""
+    default), then op by op in the same engine (tests/integration/compile_job.py), on the
+    compile tests' fitted buckets (compile_job.fitted_plan_env)."""
+    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
     job = {
-        "cases": {"inc": {"model": model, "engine": {"quantization": "inc"}}},
+        "cases": {"inc": {"model": model, "engine": {"quantization": "inc"}, "env": fitted}},
         "prompts": make_prompts()[:6],
         "max_tokens": 6,
         "engine": COMPILE_ENGINE,
@@ -165,6 +171,7 @@ def test_inc_fp8_compiles_once_per_bucket_and_equals_its_uncompiled_passes(compi
     # 2.1e-3 at the token where it happens, 2.2e-2 four tokens later; on the plain tiny Llama
     # no element flips and the logprobs are identical).
     stats = assert_matches_eager("inc", compiled, 5e-2)
+    assert stats["bucket_plan"].startswith("bucketing strategy fitted"), stats["bucket_plan"]
     assert_compiled_only_in_warmup(stats)
     assert stats["recompiles"] == 0
 
