@@ -121,34 +121,23 @@ def assert_compiled_only_in_warmup(stats: dict) -> None:
 
 
 # ---------------------------------------------------------------- the buckets a case warms
-# `fitted` to the step shapes make_prompts()[:6] give under COMPILE_ENGINE (recorded from the llama
-# case with VLLM_BUCKETING_RECORD_TRACE), at most GRAPH_BUDGET graphs, instead of exp's default
-# plan (13-19 graphs a case here). What the compile tests check, that a compiled engine traces
-# each warmed bucket once, without a graph break, and serves from those graphs only, holds for
-# any bucket shapes; exp's plan is warmed and checked by the eager and stand-in engine tests and
-# test_warmup.py. The fitted plan's coverage buckets (the largest prompt and decode buckets within
-# the limits) serve any step the trace did not foresee, so a case whose steps differ (other
-# prompts, more tokens) still recompiles nothing.
-STEP_TRACE = """\
-prompt 1 256 1 2
-prompt 1 58 2 2
-prompt 1 252 1 2
-decode 1 2 2
-decode 2 4 2
-decode 4 6 2
-decode 5 8 2
-decode 6 10 6
-"""
+# `fitted` to the step shapes make_prompts()[:6] give under COMPILE_ENGINE (compile_steps.trace,
+# recorded from the llama case with VLLM_BUCKETING_RECORD_TRACE), at most GRAPH_BUDGET graphs,
+# instead of exp's default plan (13-19 graphs a case here). What the compile tests check, that a
+# compiled engine traces each warmed bucket once, without a graph break, and serves from those
+# graphs only, holds for any bucket shapes; exp's plan is warmed and checked by the eager and
+# stand-in engine tests and test_warmup.py. The fitted plan's coverage buckets (the largest prompt
+# and decode buckets within the limits) serve any step the trace did not foresee, so a case whose
+# steps differ (other prompts, more tokens) still recompiles nothing.
+STEP_TRACE = Path(__file__).with_name("compile_steps.trace")
 GRAPH_BUDGET = 6
 
 
-def fitted_plan_env(folder: Path) -> dict[str, str]:
-    """The variables that give a case the fitted plan above (the trace is written to folder)."""
-    trace = folder / "steps.txt"
-    trace.write_text(STEP_TRACE)
+def fitted_plan_env() -> dict[str, str]:
+    """The variables that give a case the fitted plan above."""
     return {
         "VLLM_BUCKETING_STRATEGY": "fitted",
-        "VLLM_BUCKETING_TRACE": str(trace),
+        "VLLM_BUCKETING_TRACE": str(STEP_TRACE),
         "VLLM_BUCKETING_GRAPH_BUDGET": str(GRAPH_BUDGET),
     }
 

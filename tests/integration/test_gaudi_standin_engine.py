@@ -145,7 +145,7 @@ def compiled_runs(tmp_path_factory) -> dict[str, dict]:
     paths["mixtral-fp8-static"], _ = fp8_checkpoints.write(
         "mixtral-fp8-static", tmp_path_factory.mktemp("mixtral-fp8"), make_prompts()
     )
-    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
+    fitted = fitted_plan_env()
     job = json.dumps(
         {
             # The buckets of test_torch_compile.py's cases (compile_job.fitted_plan_env): the

@@ -138,7 +138,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "max_tokens": MAX_TOKENS,
         "engine": COMPILE_ENGINE,
     }
-    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
+    fitted = fitted_plan_env()
     for name in CASES:
         if name not in EXP_PLAN_CASES:
             cases[name]["env"] = fitted

@@ -147,13 +147,14 @@ def gaudi_quantized(model, gaudi_calibration):
 
 
 @pytest.fixture(scope="module")
-def compiled(model, calibration, tmp_path_factory) -> dict:
+def compiled(model, calibration) -> dict:
     """The QUANTIZE config through torch.compile (PT_HPU_LAZY_MODE=0, as a Gaudi runs by
     default), then op by op in the same engine (tests/integration/compile_job.py), on the
     compile tests' fitted buckets (compile_job.fitted_plan_env)."""
-    fitted = fitted_plan_env(tmp_path_factory.mktemp("trace"))
     job = {
-        "cases": {"inc": {"model": model, "engine": {"quantization": "inc"}, "env": fitted}},
+        "cases": {
+            "inc": {"model": model, "engine": {"quantization": "inc"}, "env": fitted_plan_env()}
+        },
         "prompts": make_prompts()[:6],
         "max_tokens": 6,
         "engine": COMPILE_ENGINE,
