@@ -298,7 +298,7 @@ def main() -> None:
         run_worker({**json.loads(sys.stdin.readline()), "backend": args.worker})
         return
 
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     tiny = str(tinymodels.build("llama"))
     models = args.models.split(",")
@@ -333,7 +333,7 @@ def run_model(
     name: str, model: str, num_prompts: int, max_tokens: int, num_rounds: int, args
 ) -> float | None:
     """One model's side-by-side table; its ratio (None when profiling)."""
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     # One workload per round, each with its own seed: no prefix-cache hits across rounds. The
     # table adds up all rounds but the first, which warms up what one engine start does not (the

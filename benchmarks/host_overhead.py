@@ -3,7 +3,7 @@
 What a Gaudi cannot hide is the host work around each forward pass: scheduling, input
 preparation, attention metadata, bucket padding, sampling and output processing. This measures
 it with a model so small that the forward pass is a small share of the step: the tiny Llama of
-``vllm_gaudi_platform.testing.tinymodels`` (2 layers, hidden 128), at 1, 32 and 256 decode sequences
+``gaudi_testkit.tinymodels`` (2 layers, hidden 128), at 1, 32 and 256 decode sequences
 with 2k-token contexts.
 
 Each backend runs in its own process (vLLM picks its platform once per process), with the engine
@@ -272,7 +272,7 @@ def main() -> None:
         run_worker(json.loads(args.worker))
         return
 
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     job = {
         "model": str(tinymodels.build("llama")),

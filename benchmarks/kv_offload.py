@@ -123,7 +123,7 @@ def ttft(prefix: int, repeats: int) -> dict[str, float]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     model = str(tinymodels.build("llama"))
     max_len = prefix + 2 * BLOCK

@@ -132,8 +132,8 @@ def _ttft(url: str, prompt: list[int]) -> float:
 def ttft(prompt_len: int, repeats: int) -> tuple[float, float]:
     import random
 
+    from gaudi_testkit import tinymodels
     from tests.connectors import cluster
-    from vllm_gaudi_platform.testing import tinymodels
 
     model = str(tinymodels.build("llama"))
     rng = random.Random(0)

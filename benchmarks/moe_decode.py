@@ -42,7 +42,7 @@ from quant import (
     recording_moe_kernels,
 )
 
-from vllm_gaudi_platform.testing.parallel import single_process_parallel
+from gaudi_testkit.parallel import single_process_parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"experts": 64, "top_k": 6, "hidden": 512, "inter": 384}
@@ -225,7 +225,7 @@ if __name__ == "__main__":
 
 
 def engine_check() -> dict[str, Any]:
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     model = str(tinymodels.build("mixtral-16"))
     results = {}

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from vllm_gaudi_platform.testing.parallel import single_process_parallel
+from gaudi_testkit.parallel import single_process_parallel
 
 # One decoder layer of a Llama-2-7B-like model: (name, out_features N, in_features K).
 LAYER = (

@@ -1,7 +1,7 @@
 """Held-out perplexity of the trained tiny Llama per quantized checkpoint format, over float.
 
 A random-weight model has no accuracy to lose; the tiny Llama trained on the Python docs
-(`vllm_gaudi_platform.testing.trainedmodel`) does. Each format's checkpoint is written from it by
+(`vllm_gaudi_platform.commands.demo_model`) does. Each format's checkpoint is written from it by
 the test packers (tests/quant/checkpoints.py: every decoder linear quantized, embeddings, norms and
 LM head float), and every model, the float one included, is scored through the HPU platform in
 CPU emulation (float32 activations) with prompt logprobs over the same held-out windows. The
@@ -38,7 +38,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vllm_gaudi_platform.testing import trainedmodel
+from vllm_gaudi_platform.commands import demo_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +56,7 @@ INC_FP8 = "inc fp8 (calibrated)"
 # head quantized too), seam/gaudi.py over the Habana stand-in playing each Gaudi generation.
 INC_GAUDI = {"inc fp8 HPU flow, Gaudi 2": 2, "inc fp8 HPU flow, Gaudi 3": 3}
 CALIBRATION_SAMPLES = 64
-ENGINE = trainedmodel.ENGINE_ARGS
+ENGINE = demo_model.ENGINE_ARGS
 
 
 def _score(
@@ -68,7 +68,7 @@ def _score(
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
     extra = {}
     if quant_config:
@@ -84,7 +84,7 @@ def _score(
             SamplingParams(max_tokens=1, prompt_logprobs=0),
             use_tqdm=False,
         )
-        return trainedmodel.vllm_logprobs(outs)
+        return demo_model.vllm_logprobs(outs)
     finally:
         # The next model's engine starts in this process: stop this one first.
         llm.llm_engine.engine_core.shutdown()
@@ -94,12 +94,12 @@ def _score(
 
 def _job(spec: dict) -> None:
     """Child process: score each model, one JSON line each (or its error)."""
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
     for name, model in spec["models"].items():
         try:
             quant_config = spec["quant_configs"].get(name)
-            ppl = trainedmodel.perplexity(_score(model, spec["windows"], quant_config))
+            ppl = demo_model.perplexity(_score(model, spec["windows"], quant_config))
             result: dict = {"perplexity": ppl}
         except Exception as exc:  # one format failing must not hide the others' numbers
             result = {"error": f"{type(exc).__name__}: {exc}"}
@@ -119,11 +119,11 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))  # the checkpoint writers live with the tests
     from tests.quant import checkpoints
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
-    model = trainedmodel.build()
-    windows = trainedmodel.heldout_windows(model, args.windows)
-    reference = trainedmodel.perplexity(trainedmodel.transformers_logprobs(model, windows))
+    model = demo_model.build()
+    windows = demo_model.heldout_windows(model, args.windows)
+    reference = demo_model.perplexity(demo_model.transformers_logprobs(model, windows))
     with tempfile.TemporaryDirectory() as tmp:
         models = {"float": str(model)}
         quant_configs: dict[str, str] = {}
@@ -207,11 +207,11 @@ def _standin_env(env: dict[str, str], generation: int) -> dict[str, str]:
 def _calibrate(model: Path, tmp: Path, env: dict[str, str]) -> Path | None:
     """`vllm-gaudi calibrate` over training paragraphs; the QUANTIZE config, or None on failure
     (printed, so that the other formats' numbers still come)."""
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
     tmp.mkdir(parents=True, exist_ok=True)
     dataset = tmp / "calibration.jsonl"
-    paragraphs = [p for p in trainedmodel.split()[0].split("\n\n") if len(p) > 200]
+    paragraphs = [p for p in demo_model.split()[0].split("\n\n") if len(p) > 200]
     with dataset.open("w") as f:
         for text in paragraphs[:: max(1, len(paragraphs) // CALIBRATION_SAMPLES)]:
             f.write(json.dumps({"text": text[:1500]}) + "\n")  # < max_model_len tokens

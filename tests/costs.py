@@ -240,9 +240,9 @@ def _time_builds() -> None:
     import importlib
 
     for module_name, names in (
-        ("vllm_gaudi_platform.testing.tinymodels", ("build",)),
-        ("vllm_gaudi_platform.testing.tinyvision", ("build",)),
-        ("vllm_gaudi_platform.testing.trainedmodel", ("build",)),
+        ("gaudi_testkit.tinymodels", ("build",)),
+        ("gaudi_testkit.tinyvision", ("build",)),
+        ("vllm_gaudi_platform.commands.demo_model", ("build",)),
     ):
         try:
             module = importlib.import_module(module_name)

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.connectors import cluster
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.connectors import cluster
 from tests.integration.generation import hf_greedy
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

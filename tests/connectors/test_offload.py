@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import ENGINE, assert_close, hf_greedy, named_job_outputs, run_job
-from vllm_gaudi_platform.testing import tinymodels
 
 JOB = Path(__file__).with_name("offload_job.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import (
     ENGINE,
     make_prompts,
     named_job_outputs,
     run_job,
 )
-from vllm_gaudi_platform.testing import tinymodels
 
 SEQUENTIAL_JOB = Path(__file__).with_name("sequential_job.py")
 

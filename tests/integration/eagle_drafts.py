@@ -25,7 +25,8 @@ import json
 import os
 from pathlib import Path
 
-from vllm_gaudi_platform.testing import tinymodels, trainedmodel
+from gaudi_testkit import tinymodels
+from vllm_gaudi_platform.commands import demo_model
 
 FIT_TOKENS = 8192  # least-squares samples (tokens of training text)
 WINDOW = 128
@@ -43,7 +44,7 @@ def _target_states(target: Path):
 
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
-    ids = tokenizer(trainedmodel.split()[0])["input_ids"][:FIT_TOKENS]
+    ids = tokenizer(demo_model.split()[0])["input_ids"][:FIT_TOKENS]
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - WINDOW + 1, WINDOW)]
     prenorm: list = []
     hook = model.model.norm.register_forward_hook(lambda m, args, out: prenorm.append(args[0]))
@@ -75,14 +76,14 @@ def _fit(inputs, outputs):
 
 
 def build(method: str, *, root: Path | None = None) -> Path:
-    """Path of the tiny `method` ("eagle" or "eagle3") head for trainedmodel.build(), fitted and
+    """Path of the tiny `method` ("eagle" or "eagle3") head for demo_model.build(), fitted and
     cached on first use (about 10 s)."""
     if method not in ("eagle", "eagle3"):
         raise ValueError(f"Unknown draft method {method!r}; choose 'eagle' or 'eagle3'.")
     import torch
     from safetensors.torch import save_file
 
-    target = trainedmodel.build(progress=False)
+    target = demo_model.build(progress=False)
     path = (root or tinymodels.cache_root()) / f"{method}-head-v{FORMAT_VERSION}-{target.name}"
     if (path / "config.json").exists():
         return path

@@ -30,8 +30,9 @@ import os
 import shutil
 from pathlib import Path
 
+from gaudi_testkit import tinymodels
 from tests.integration import eagle_drafts
-from vllm_gaudi_platform.testing import tinymodels, trainedmodel
+from vllm_gaudi_platform.commands import demo_model
 
 FORMAT_VERSION = 1
 
@@ -43,12 +44,12 @@ def _rms_normalise(x):
 
 
 def build(*, root: Path | None = None) -> Path:
-    """Path of the tiny MiMo target with one fitted MTP layer for trainedmodel.build(), built and
+    """Path of the tiny MiMo target with one fitted MTP layer for demo_model.build(), built and
     cached on first use (about 10 s)."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    target = trainedmodel.build(progress=False)
+    target = demo_model.build(progress=False)
     path = (root or tinymodels.cache_root()) / f"mimo-mtp-v{FORMAT_VERSION}-{target.name}"
     if (path / "config.json").exists():
         return path

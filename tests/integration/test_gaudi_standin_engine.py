@@ -57,7 +57,7 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         pytest.skip(
             "the stand-in does not load beside a real Gaudi stack (the engine tests run there)"
         )
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     paths = {name: tinymodels.build(name) for name in ("llama", "mixtral-16", "granitemoehybrid")}
     for fmt in ("ct-fp8-dynamic", "ct-wna16-kv-fp8"):
@@ -131,8 +131,8 @@ def compiled_runs(tmp_path_factory) -> dict[str, dict]:
         pytest.skip(
             "the stand-in does not load beside a real Gaudi stack (the engine tests run there)"
         )
+    from gaudi_testkit import tinymodels
     from tests.quant import fp8_checkpoints
-    from vllm_gaudi_platform.testing import tinymodels
 
     paths = {"llama": tinymodels.build("llama")}
     qdir, _ = checkpoints.write(

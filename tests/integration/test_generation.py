@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration.architectures import CASES, hpu_run
 from tests.integration.generation import assert_close, hf_greedy, make_prompts, run_engine
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -132,7 +132,7 @@ import sys
 sys.path.insert(0, {repo!r})
 from vllm import LLM
 from tests.integration.generation import ENGINE
-from vllm_gaudi_platform.testing import tinymodels
+from gaudi_testkit import tinymodels
 LLM(model=str(tinymodels.build("qwen3-next")), **ENGINE)
 print("STARTED")
 """

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration import lora_adapters, openai_server
 from tests.integration.generation import (
     ENGINE,
@@ -26,7 +27,6 @@ from tests.integration.generation import (
     named_job_outputs,
     run_job,
 )
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

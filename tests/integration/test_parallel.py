@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import ENGINE, assert_close, make_prompts, named_job_outputs
 from tests.integration.generation import run_job as run_job_process
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -34,9 +34,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration import openai_server
 from tests.integration.generation import make_prompts, named_job_outputs, run_job
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration import openai_server
 from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
 from tests.integration.openai_server import as_result, post
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

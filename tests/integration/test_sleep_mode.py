@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import job_result, run_job
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

@@ -13,9 +13,9 @@ import re
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration import architectures
 from tests.integration.generation import assert_close, hf_greedy, make_prompts
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

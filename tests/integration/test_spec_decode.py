@@ -18,7 +18,7 @@ import pytest
 
 from tests.integration import eagle_drafts, mtp_drafts
 from tests.integration.generation import ENGINE, job_result, run_job
-from vllm_gaudi_platform.testing import trainedmodel
+from vllm_gaudi_platform.commands import demo_model
 
 pytestmark = pytest.mark.engine
 
@@ -43,7 +43,7 @@ DRAFTERS = ("ngram", *HEADS, "mtp")
 def result() -> dict:
     from transformers import AutoTokenizer
 
-    model = str(trainedmodel.build(progress=False))
+    model = str(demo_model.build(progress=False))
     tokenizer = AutoTokenizer.from_pretrained(model)
     job = {
         "model": model,
@@ -99,7 +99,7 @@ def test_random_sampled_requests_verify_alongside_greedy_ones(result, drafter):
     sampled = result["runs"][drafter]["sampled"]
     assert len(sampled) == RANDOM_PROMPTS
     assert all(len(tokens) == MAX_TOKENS for tokens in sampled)
-    vocab = trainedmodel_vocab_size()
+    vocab = demo_model_vocab_size()
     assert all(0 <= t < vocab for tokens in sampled for t in tokens)
 
 
@@ -114,8 +114,8 @@ def test_verification_and_drafting_steps_run_on_warmed_buckets(result, drafter):
     assert stats["bucket_hits"].get("verify", 0) > 0, stats["bucket_hits"]
 
 
-def trainedmodel_vocab_size() -> int:
-    config = json.loads((trainedmodel.build(progress=False) / "config.json").read_text())
+def demo_model_vocab_size() -> int:
+    config = json.loads((demo_model.build(progress=False) / "config.json").read_text())
     return int(config["vocab_size"])
 
 
@@ -141,7 +141,7 @@ CHI2_CRITICAL = dict(
 def sampling() -> dict:
     from transformers import AutoTokenizer
 
-    model = str(trainedmodel.build(progress=False))
+    model = str(demo_model.build(progress=False))
     prompt = AutoTokenizer.from_pretrained(model)(TEXTS[0])["input_ids"]
     job = {
         "model": model,

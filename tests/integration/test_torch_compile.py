@@ -68,9 +68,9 @@ EXP_PLAN_CASES = ("bert",)
 def runs(tmp_path_factory) -> dict[str, dict]:
     from pathlib import Path
 
+    from gaudi_testkit import tinymodels
     from tests.integration import lora_adapters
     from tests.quant import checkpoints, fp8_checkpoints
-    from vllm_gaudi_platform.testing import tinymodels
 
     models = {name: str(tinymodels.build(name)) for name in ARCHITECTURES}
     for fmt in QUANTIZED:
@@ -100,9 +100,9 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     from transformers import AutoTokenizer
 
     from tests.integration import eagle_drafts, mtp_drafts
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
-    trained = str(trainedmodel.build(progress=False))
+    trained = str(demo_model.build(progress=False))
     tokenizer = AutoTokenizer.from_pretrained(trained)
     texts = ["The history of the city begins", "In mathematics, a group is", "Once upon a time"]
     text_prompts = [tokenizer(t)["input_ids"] for t in texts]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.generation import job_result, run_job
-from vllm_gaudi_platform.testing import trainedmodel
+from vllm_gaudi_platform.commands import demo_model
 
 pytestmark = pytest.mark.engine
 
@@ -30,15 +30,15 @@ WORDS = re.compile(r"[A-Za-z]{2,}")
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    return str(trainedmodel.build())
+    return str(demo_model.build())
 
 
 @pytest.fixture(scope="module")
 def windows(model) -> list[list[int]]:
-    return trainedmodel.heldout_windows(model, WINDOWS)
+    return demo_model.heldout_windows(model, WINDOWS)
 
 
-ENGINE = trainedmodel.ENGINE_ARGS
+ENGINE = demo_model.ENGINE_ARGS
 # FP8 W8A8 over float, held-out perplexity (benchmarks/quant_perplexity.py measured 1.0015 on
 # this model). Why not greedy tokens on the random tiny models: there FP8 activation rounding
 # flips near-tied logits, and 6 to 10 of the 10 prompts of tests/quant's engine tests leave the
@@ -51,7 +51,7 @@ FP8_PERPLEXITY_RATIO_MAX = 1.01
 def hpu(model, windows) -> dict:
     job = {
         "model": model,
-        "prompts": trainedmodel.heldout_prompts(),
+        "prompts": demo_model.heldout_prompts(),
         "max_tokens": 24,
         "windows": windows,
         "engine": ENGINE,
@@ -66,14 +66,14 @@ def fp8(model, windows, tmp_path_factory) -> dict:
     from tests.quant import checkpoints
 
     qdir, _ = checkpoints.write(Path(model), tmp_path_factory.mktemp("fp8"), "ct-fp8-dynamic")
-    prompts = trainedmodel.heldout_prompts()[:1]
+    prompts = demo_model.heldout_prompts()[:1]
     job = {"model": str(qdir), "prompts": prompts, "max_tokens": 1, "windows": windows}
     job["engine"] = ENGINE
     return job_result(run_job(JOB, json.dumps(job)), "trained-model FP8 engine job")
 
 
 def test_fp8_checkpoint_of_the_trained_model_costs_little_perplexity(hpu, fp8):
-    ratio = trainedmodel.perplexity(fp8["logprobs"]) / trainedmodel.perplexity(hpu["logprobs"])
+    ratio = demo_model.perplexity(fp8["logprobs"]) / demo_model.perplexity(hpu["logprobs"])
     print(f"FP8 W8A8 / float held-out perplexity: {ratio:.5f}")
     assert 1.0 / FP8_PERPLEXITY_RATIO_MAX < ratio <= FP8_PERPLEXITY_RATIO_MAX, ratio
 
@@ -83,12 +83,12 @@ def test_trained_model_runs_on_the_hpu_platform(hpu):
 
 
 def test_heldout_perplexity_through_the_hpu_platform_equals_transformers(hpu, model, windows):
-    reference = trainedmodel.transformers_logprobs(model, windows)
+    reference = demo_model.transformers_logprobs(model, windows)
     for ours, theirs in zip(hpu["logprobs"], reference, strict=True):
         assert len(ours) == len(theirs)
         worst = max(abs(a - b) for a, b in zip(ours, theirs))
         assert worst < TOKEN_LOGPROB_ATOL, f"a token log-probability differs by {worst}"
-    ppl, ref_ppl = trainedmodel.perplexity(hpu["logprobs"]), trainedmodel.perplexity(reference)
+    ppl, ref_ppl = demo_model.perplexity(hpu["logprobs"]), demo_model.perplexity(reference)
     assert math.isclose(ppl, ref_ppl, rel_tol=PERPLEXITY_RTOL), (ppl, ref_ppl)
 
 
@@ -99,20 +99,20 @@ def test_heldout_perplexity_beats_a_bigram_model_of_the_training_text(hpu, model
     # context than the previous token.
     from transformers import AutoTokenizer
 
-    ids = AutoTokenizer.from_pretrained(model)(trainedmodel.split()[0])["input_ids"]
+    ids = AutoTokenizer.from_pretrained(model)(demo_model.split()[0])["input_ids"]
     unigrams, bigrams, contexts = Counter(ids), Counter(pairwise(ids)), Counter(ids[:-1])
-    denominator = len(ids) + trainedmodel.VOCAB_SIZE
+    denominator = len(ids) + demo_model.VOCAB_SIZE
 
     def logprob(prev: int, token: int) -> float:
         pair = bigrams[(prev, token)] / contexts[prev] if contexts[prev] else 0.0
         return math.log(0.8 * pair + 0.2 * (unigrams[token] + 1) / denominator)
 
     bigram = [[logprob(a, b) for a, b in pairwise(w)] for w in windows]
-    assert trainedmodel.perplexity(hpu["logprobs"]) < trainedmodel.perplexity(bigram)
+    assert demo_model.perplexity(hpu["logprobs"]) < demo_model.perplexity(bigram)
 
 
 def test_greedy_completions_are_made_of_corpus_words(hpu):
-    vocabulary = set(WORDS.findall(trainedmodel.split()[0]))
+    vocabulary = set(WORDS.findall(demo_model.split()[0]))
     words = [w for text in hpu["completions"] for w in WORDS.findall(text)]
     assert len(words) >= 4 * len(hpu["completions"]), hpu["completions"]
     known = sum(w in vocabulary for w in words)

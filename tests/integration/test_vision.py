@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gaudi_testkit import tinyvision
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration import openai_server
 from tests.integration.generation import (
@@ -42,7 +43,6 @@ from tests.integration.generation import (
     run_job,
 )
 from tests.integration.vision import CASES, MAX_TOKENS, chat_messages, chat_result, hf_greedy
-from vllm_gaudi_platform.testing import tinyvision
 
 pytestmark = pytest.mark.engine
 

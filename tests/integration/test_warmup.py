@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import assert_close, hf_greedy, run_engine
 from vllm_gaudi_platform.observability.step_trace import TracedShape, read_trace
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

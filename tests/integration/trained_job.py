@@ -18,7 +18,7 @@ def run(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
     llm = LLM(model=job["model"], **job["engine"])
     greedy = llm.generate(
@@ -34,7 +34,7 @@ def run(job: dict) -> dict:
     return {
         "platform": type(current_platform).__name__,
         "completions": [o.outputs[0].text for o in greedy],
-        "logprobs": trainedmodel.vllm_logprobs(scored),
+        "logprobs": demo_model.vllm_logprobs(scored),
     }
 
 

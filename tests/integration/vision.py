@@ -14,8 +14,8 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+from gaudi_testkit import tinymodels, tinyvision
 from tests.integration.generation import greedy_generate
-from vllm_gaudi_platform.testing import tinymodels, tinyvision
 
 MAX_TOKENS = 12
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from gaudi_testkit import tinymodels
 from tests.integration.generation import assert_close, hf_greedy, make_prompts, run_engine
-from vllm_gaudi_platform.testing import tinymodels
 
 pytestmark = pytest.mark.engine
 

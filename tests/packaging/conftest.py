@@ -23,6 +23,7 @@ import tomllib
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
+KIT = ROOT / "testkit"  # gaudi_testkit: never published, see its README
 PLATFORM = "vllm-gaudi-platform"
 # The one version of the four wheels; every member's pyproject reads it (`[tool.hatch.version]`).
 VERSION_FILE = ROOT / "packages" / PLATFORM / "src" / "vllm_gaudi_platform" / "version.py"
@@ -295,6 +296,10 @@ def isolated_venv(uv, dist_dir, engine_requirements, tmp_path_factory):
             str(engine_requirements),
             env=uv_env(**source_env),
         )
+        # The CI machines' torchvision hook, as in the dev venv (testkit/: where torchvision is a
+        # CUDA build beside the CPU torch, vLLM's import fails without it). No wheel carries it;
+        # test_house checks that no wheel imports the kit.
+        run_uv(uv, "pip", "install", "--quiet", "--python", venv.python, "--no-deps", str(KIT))
         run_uv(
             uv,
             "pip",

@@ -15,7 +15,7 @@ import pytest
 
 CONFIGS = (
     "from vllm.engine.arg_utils import EngineArgs\n"
-    "from vllm_gaudi_platform.testing import tinymodels\n"
+    "from gaudi_testkit import tinymodels\n"
     "model = str(tinymodels.build('llama'))\n"
     "cases = {\n"
     "    'default': {},\n"

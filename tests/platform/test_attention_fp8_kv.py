@@ -139,7 +139,7 @@ def test_vllms_uint8_fp8_cache_names_become_gaudis_fp8_cache(run_python):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"
         "from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE\n"
-        "from vllm_gaudi_platform.testing import tinymodels\n"
+        "from gaudi_testkit import tinymodels\n"
         "model = str(tinymodels.build('llama'))\n"
         "for name in ('fp8', 'fp8_e4m3'):\n"
         "    config = EngineArgs(model=model, kv_cache_dtype=name).create_engine_config()\n"

@@ -155,7 +155,7 @@ def test_step_metadata_becomes_bucket_shaped():
 COMPILE_SETTINGS = (
     "import os, torch._dynamo\n"
     "from vllm.engine.arg_utils import EngineArgs\n"
-    "from vllm_gaudi_platform.testing import tinymodels\n"
+    "from gaudi_testkit import tinymodels\n"
     "model = str(tinymodels.build('llama'))\n"
     "cases = {\n"
     "    'default': {},\n"

@@ -111,7 +111,7 @@ def test_warmup_lays_a_verify_bucket_out_as_prefill_rows_with_context():
 def test_the_platform_refuses_an_unsupported_method_when_the_config_is_built(run_python):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"
-        "from vllm_gaudi_platform.testing import tinymodels\n"
+        "from gaudi_testkit import tinymodels\n"
         "args = EngineArgs(model=str(tinymodels.build('llama')),\n"
         "    speculative_config={'method': 'ngram_gpu', 'num_speculative_tokens': 2})\n"
         "args.create_engine_config()\n"

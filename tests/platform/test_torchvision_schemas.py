@@ -1,4 +1,4 @@
-"""The torchvision schema hook (vllm_gaudi_platform.torchvision_schemas): torchvision's Python
+"""The torchvision schema hook (gaudi_testkit.torchvision_schemas): torchvision's Python
 parts import where its compiled library does not load, and nothing changes where it does.
 
 A stand-in torchvision package in a temporary folder behaves as the real one does on import: it
@@ -32,7 +32,7 @@ PROBE = textwrap.dedent(
     """
     import json, os, sys
     import torch
-    from vllm_gaudi_platform import torchvision_schemas
+    from gaudi_testkit import torchvision_schemas
     torchvision_schemas.uninstall()  # the .pth's hook: each case installs it or not itself
     if os.environ["PROBE_MODE"] == "hooked":
         torchvision_schemas.install()

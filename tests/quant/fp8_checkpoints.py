@@ -107,7 +107,7 @@ def _input_amax(model_dir: Path, prompts: list[list[int]]) -> dict[str, float]:
 
 
 def write(name: str, out: Path, prompts: list[list[int]]) -> tuple[Path, Path]:
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     fmt = FORMATS[name]
     src = tinymodels.build(fmt.model)

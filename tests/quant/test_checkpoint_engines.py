@@ -75,7 +75,7 @@ FP8_KV = ("ct-wna16-kv-fp8",)
 def runs(tmp_path_factory) -> dict[str, tuple[dict, list[dict], Path]]:
     """name -> (engine result, transformers on the dequantized weights, checkpoint dir), every
     checkpoint's engine run in one job process."""
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     dirs = {}
     for name, (model, fmt, *_) in CHECKPOINTS.items():

@@ -42,7 +42,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     return str(tinymodels.build("llama-soft"))
 

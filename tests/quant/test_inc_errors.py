@@ -14,7 +14,7 @@ CASES_JOB = r"""
 import json, os, sys
 from vllm import LLM
 from vllm.engine.arg_utils import EngineArgs
-from vllm_gaudi_platform.testing import tinymodels
+from gaudi_testkit import tinymodels
 
 model = str(tinymodels.build("llama"))
 cases = json.loads(sys.argv[1])
@@ -130,7 +130,7 @@ sys.modules["neural_compressor"] = None  # as if neural-compressor were not inst
 import os
 os.environ["QUANT_CONFIG"] = sys.argv[1]
 from vllm import LLM
-from vllm_gaudi_platform.testing import tinymodels
+from gaudi_testkit import tinymodels
 try:
     LLM(model=str(tinymodels.build("llama")), quantization="inc", max_model_len=256)
 except Exception as exc:

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import habana_frameworks.torch  # noqa: F401 - the stand-in, with its torch device "hpu"
 from habana_frameworks.torch import _device
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm_gaudi_platform.testing.parallel import single_process_parallel
+from gaudi_testkit.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 

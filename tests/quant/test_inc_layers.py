@@ -18,7 +18,7 @@ LAYERS_JOB = r"""
 import json, os, tempfile
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm_gaudi_platform.testing.parallel import single_process_parallel
+from gaudi_testkit.parallel import single_process_parallel
 from vllm.model_executor.layers import linear as L
 
 from vllm_gaudi_quant.methods.inc import HpuIncConfig

@@ -50,7 +50,7 @@ MAX_DIVERGED_FROM_DEQUANTIZED = 1
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """(the MXFP4 checkpoint, the bf16 checkpoint of its dequantized experts)."""
-    from vllm_gaudi_platform.testing import tinymodels
+    from gaudi_testkit import tinymodels
 
     return mxfp4_packer.write_gpt_oss(
         tinymodels.build("gpt-oss"), tmp_path_factory.mktemp("gpt-oss-mxfp4")

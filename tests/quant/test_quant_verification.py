@@ -20,7 +20,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 from vllm.config import ModelConfig
 from vllm.platforms import current_platform
-from vllm_gaudi_platform.testing import tinymodels
+from gaudi_testkit import tinymodels
 from tests.quant import checkpoints
 
 out = {"supported": list(current_platform.supported_quantization), "cases": {}}

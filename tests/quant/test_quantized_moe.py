@@ -29,7 +29,7 @@ import json, os, sys, types
 import torch
 import torch.nn.functional as F
 from vllm.config import VllmConfig, set_current_vllm_config
-from vllm_gaudi_platform.testing.parallel import single_process_parallel
+from gaudi_testkit.parallel import single_process_parallel
 from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
 sys.path.insert(0, __ROOT__)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class EnvError(ValueError):
@@ -161,7 +162,7 @@ VLLM_NIXL_DEVICE_TO_DEVICE = _declare(
 VLLM_GAUDI_MODEL_CACHE = _declare(
     "VLLM_GAUDI_MODEL_CACHE",
     None,
-    "Folder for the tiny models `vllm-gaudi demo` and the tests build (tinymodels.py). Unset: "
+    "Folder for the tiny models `vllm-gaudi demo` and the tests build (model_cache()). Unset: "
     "$XDG_CACHE_HOME/vllm-gaudi/models, or ~/.cache/vllm-gaudi/models.",
     kind="path",
 )
@@ -412,6 +413,14 @@ def recipe_cache(environ: Mapping[str, str] | None = None) -> RecipeCache | None
             f"MB; {fix}."
         )
     return RecipeCache(parts[0], parts[1].lower() == "true", size)
+
+
+def model_cache() -> Path:
+    """Where built tiny models are kept: VLLM_GAUDI_MODEL_CACHE, else the user's cache folder."""
+    root = get_raw(VLLM_GAUDI_MODEL_CACHE)
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
 
 
 def emulation_mode() -> str | None:

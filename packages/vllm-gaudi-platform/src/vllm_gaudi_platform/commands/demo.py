@@ -2,7 +2,7 @@
 
 On a Gaudi it uses the device; elsewhere it turns on CPU emulation (VLLM_HPU_EMULATION=cpu)
 unless the operator set that variable. The default model is a tiny Llama trained locally on the
-Python documentation on first use (`trainedmodel.py`, about 3 minutes on 2 cores, then cached),
+Python documentation on first use (`demo_model.py`, about 3 minutes on 2 cores, then cached),
 so the demo needs no model hub. It prints greedy completions of prompts from the held-out text,
 the model's held-out perplexity measured through the HPU platform (prompt logprobs) next to the
 same figure from transformers, the bucket plan, the warmup time and the recompiles after warmup.
@@ -21,13 +21,13 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
     """Run the demo; `model` replaces the trained tiny Llama (the held-out perplexity is then
     not printed: its tokenizer and text are not the trained model's)."""
     from vllm_gaudi_platform import envs
+    from vllm_gaudi_platform.commands import demo_model
     from vllm_gaudi_platform.seam.probe import gaudi_software_installed
-    from vllm_gaudi_platform.testing import trainedmodel
 
     if envs.VLLM_HPU_EMULATION not in os.environ and not gaudi_software_installed():
         os.environ[envs.VLLM_HPU_EMULATION] = "cpu"
         print("No Gaudi software found: running the HPU platform in CPU emulation.")
-    path = model or str(trainedmodel.build())
+    path = model or str(demo_model.build())
 
     from vllm import LLM
     from vllm.platforms import current_platform
@@ -62,9 +62,9 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
     from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
-    from vllm_gaudi_platform.testing import trainedmodel
+    from vllm_gaudi_platform.commands import demo_model
 
-    prompts = trainedmodel.heldout_prompts()
+    prompts = demo_model.heldout_prompts()
     outputs = llm.generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
     )
@@ -75,14 +75,14 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
         print(f"  {out.prompt!r} -> {out.outputs[0].text!r}")
 
     if scored_perplexity:
-        windows = trainedmodel.heldout_windows(path, PERPLEXITY_WINDOWS, PERPLEXITY_WINDOW_TOKENS)
+        windows = demo_model.heldout_windows(path, PERPLEXITY_WINDOWS, PERPLEXITY_WINDOW_TOKENS)
         scored = llm.generate(
             [TokensPrompt(prompt_token_ids=w) for w in windows],
             SamplingParams(max_tokens=1, prompt_logprobs=0),
             use_tqdm=False,
         )
-        hpu = trainedmodel.perplexity(trainedmodel.vllm_logprobs(scored))
-        reference = trainedmodel.perplexity(trainedmodel.transformers_logprobs(path, windows))
+        hpu = demo_model.perplexity(demo_model.vllm_logprobs(scored))
+        reference = demo_model.perplexity(demo_model.transformers_logprobs(path, windows))
         tokens = sum(len(w) - 1 for w in windows)
         print(
             f"Held-out perplexity ({tokens} tokens): HPU platform ({dtype}) {hpu:.3f}, "

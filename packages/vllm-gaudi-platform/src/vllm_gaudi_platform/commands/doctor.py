@@ -510,9 +510,10 @@ def _check_torchvision(report: Report) -> None:
     if found.partition("+")[2] == torch_found.partition("+")[2]:
         return
     report.info.append(
-        f"torchvision {found} is not the build of torch {torch_found or '?'}: its compiled ops "
-        "(nms, roi_align) may not load; its Python parts, which vision-language models need, "
-        "import through the platform wheel's schema hook (torchvision_schemas)"
+        f"torchvision {found} is not the build of torch {torch_found or '?'}: if its compiled "
+        "library does not load, `import torchvision` fails ('operator torchvision::nms does "
+        "not exist') and vision-language models with it; install the torchvision built for "
+        "this torch"
     )
 
 

@@ -1,4 +1,4 @@
-"""Tiny models built locally, for the demo and the tests: no model hub needed.
+"""Tiny random-weight models built locally, for the tests and benchmarks: no model hub needed.
 
 Each model is a real Hugging Face architecture with seeded random weights and a byte-level BPE
 tokenizer trained on a short built-in text, saved once under a cache folder and reused. The same
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.envs import model_cache as cache_root  # the demo's cache too
 
 CORPUS = """
 Intel Gaudi accelerators run large language models with static shapes and graph compilation.
@@ -302,14 +302,6 @@ ENCODERS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-
-
-def cache_root() -> Path:
-    """Where built models are kept: VLLM_GAUDI_MODEL_CACHE, else the user's cache folder."""
-    root = envs.get_raw(envs.VLLM_GAUDI_MODEL_CACHE)
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "vllm-gaudi" / "models"
 
 
 def _build_tokenizer(

@@ -1,9 +1,10 @@
 """A tiny Llama that has learned real text, trained locally on first use: no model hub needed.
 
-The random-weight models of `tinymodels.py` test architectures; their output is noise, and they
-have no accuracy to lose. This model is trained for about three minutes on a 2-core CPU, so its
-greedy output reads as words and phrases of its corpus and its held-out perplexity is a number
-worth comparing (HPU platform vs transformers, quantized vs float).
+The random-weight models of the tests (`gaudi_testkit.tinymodels`) test architectures; their
+output is noise, and they have no accuracy to lose. This model is trained for about three
+minutes on a 2-core CPU, so its greedy output reads as words and phrases of its corpus and its
+held-out perplexity is a number worth comparing (HPU platform vs transformers, quantized vs
+float).
 
 Corpus: the Python documentation topics that ship with CPython as `pydoc_data.topics` (the text
 `help()` shows for keywords and topics), present on every machine with Python, no download.
@@ -47,7 +48,7 @@ a thread the kernel has descheduled; a 16 x 128 step of the earlier, larger mode
 0.56 s idle took 9 s beside other CPU-bound processes, one thread 6 s. So training uses as many
 threads (at most MAX_TRAIN_THREADS) as there are idle cores.
 
-Cache: the model is saved under `tinymodels.cache_root()` in a folder named by a hash of the model
+Cache: the model is saved under `envs.model_cache()` in a folder named by a hash of the model
 config, seed, corpus and training recipe, so a second run starts at once. It is built in a
 temporary folder and renamed into place when complete, under a file lock, so an interrupted
 training never leaves a half model that loads and two processes never train it twice.
@@ -73,7 +74,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_gaudi_platform.testing.tinymodels import cache_root
+from vllm_gaudi_platform.envs import model_cache
 
 CORPUS_SOURCE = "pydoc_data.topics (CPython documentation, PSF License Version 2)"
 HELDOUT_EVERY = 20
@@ -197,7 +198,7 @@ def build(*, root: Path | None = None, progress: bool = True) -> Path:
 
     Returns at once when the cached folder exists. `progress` shows a tqdm bar with the loss.
     """
-    root = root or cache_root()
+    root = root or model_cache()
     path = root / f"trained-llama-{cache_key()}"
     if (path / METRICS_FILE).exists():
         return path
@@ -485,7 +486,7 @@ def vllm_logprobs(outputs: Sequence[Any]) -> list[list[float]]:
 
 if __name__ == "__main__":
     # The training process of `_train_into`:
-    # python -m vllm_gaudi_platform.testing.trainedmodel <folder>
+    # python -m vllm_gaudi_platform.commands.demo_model <folder>
     from vllm_gaudi_platform.commands import third_party_noise
 
     third_party_noise.silence()  # it imports transformers, and torchao with it

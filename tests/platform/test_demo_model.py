@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_gaudi_platform.testing import trainedmodel
+from vllm_gaudi_platform.commands import demo_model
 
 SMALL_CONFIG = {
     "hidden_size": 32,
@@ -25,14 +25,14 @@ SMALL_RECIPE = {"steps": 3, "warmup_steps": 1, "batch_size": 2, "seq_len": 32, "
 @pytest.fixture
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
     """A recipe and a corpus slice that train in a second or two (they change the cache key)."""
-    head = trainedmodel.paragraphs()[:300]
-    monkeypatch.setattr(trainedmodel, "paragraphs", lambda: head)
-    monkeypatch.setattr(trainedmodel, "CONFIG", {**trainedmodel.CONFIG, **SMALL_CONFIG})
-    monkeypatch.setattr(trainedmodel, "RECIPE", {**trainedmodel.RECIPE, **SMALL_RECIPE})
+    head = demo_model.paragraphs()[:300]
+    monkeypatch.setattr(demo_model, "paragraphs", lambda: head)
+    monkeypatch.setattr(demo_model, "CONFIG", {**demo_model.CONFIG, **SMALL_CONFIG})
+    monkeypatch.setattr(demo_model, "RECIPE", {**demo_model.RECIPE, **SMALL_RECIPE})
 
 
 def test_heldout_paragraphs_are_not_in_the_training_text():
-    train, heldout = trainedmodel.split()
+    train, heldout = demo_model.split()
     held = heldout.split("\n\n")
     assert len(held) > 100
     assert len(train) > 10 * len(heldout)
@@ -42,8 +42,8 @@ def test_heldout_paragraphs_are_not_in_the_training_text():
 
 
 def test_heldout_prompts_are_prose_from_the_heldout_text():
-    heldout = trainedmodel.split()[1]
-    prompts = trainedmodel.heldout_prompts(count=4, words=6)
+    heldout = demo_model.split()[1]
+    prompts = demo_model.heldout_prompts(count=4, words=6)
     assert len(prompts) == 4
     for prompt in prompts:
         assert len(prompt.split()) == 6 and prompt[0].isupper()
@@ -51,25 +51,25 @@ def test_heldout_prompts_are_prose_from_the_heldout_text():
 
 
 def test_cache_key_changes_with_the_recipe(monkeypatch: pytest.MonkeyPatch):
-    before = trainedmodel.cache_key()
-    monkeypatch.setitem(trainedmodel.RECIPE, "steps", trainedmodel.RECIPE["steps"] + 1)
-    assert trainedmodel.cache_key() != before
+    before = demo_model.cache_key()
+    monkeypatch.setitem(demo_model.RECIPE, "steps", demo_model.RECIPE["steps"] + 1)
+    assert demo_model.cache_key() != before
 
 
 def test_perplexity_is_exp_of_the_mean_negative_logprob():
-    assert trainedmodel.perplexity([[-1.0, -3.0], [-2.0]]) == pytest.approx(2.718281828**2)
+    assert demo_model.perplexity([[-1.0, -3.0], [-2.0]]) == pytest.approx(2.718281828**2)
     with pytest.raises(ValueError, match="at least one"):
-        trainedmodel.perplexity([[]])
+        demo_model.perplexity([[]])
 
 
 @pytest.mark.process  # trains in a process of its own
 def test_training_with_the_same_seed_gives_identical_weights(small, tmp_path: Path):
-    first = trainedmodel.build(root=tmp_path / "a", progress=False)
-    second = trainedmodel.build(root=tmp_path / "b", progress=False)
+    first = demo_model.build(root=tmp_path / "a", progress=False)
+    second = demo_model.build(root=tmp_path / "b", progress=False)
     assert first.name == second.name
     assert (first / "model.safetensors").read_bytes() == (second / "model.safetensors").read_bytes()
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
-    assert trainedmodel.metrics(first)["train_loss"] == trainedmodel.metrics(second)["train_loss"]
+    assert demo_model.metrics(first)["train_loss"] == demo_model.metrics(second)["train_loss"]
 
 
 @pytest.mark.process  # trains in a process of its own
@@ -77,13 +77,13 @@ def test_the_weights_do_not_depend_on_the_thread_count(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     # Full width (one layer): narrow matrices would not be split across threads at all.
-    wide = {k: trainedmodel.CONFIG[k] for k in ("hidden_size", "intermediate_size")}
-    monkeypatch.setattr(trainedmodel, "CONFIG", {**trainedmodel.CONFIG, **wide})
+    wide = {k: demo_model.CONFIG[k] for k in ("hidden_size", "intermediate_size")}
+    monkeypatch.setattr(demo_model, "CONFIG", {**demo_model.CONFIG, **wide})
     built = []
     for threads in (1, 2):
-        monkeypatch.setattr(trainedmodel, "training_threads", lambda n=threads: n)
-        built.append(trainedmodel.build(root=tmp_path / str(threads), progress=False))
-    assert [trainedmodel.metrics(p)["train_threads"] for p in built] == [1, 2]
+        monkeypatch.setattr(demo_model, "training_threads", lambda n=threads: n)
+        built.append(demo_model.build(root=tmp_path / str(threads), progress=False))
+    assert [demo_model.metrics(p)["train_threads"] for p in built] == [1, 2]
     one, two = ((p / "model.safetensors").read_bytes() for p in built)
     assert one == two
 
@@ -110,10 +110,10 @@ def test_the_weights_do_not_depend_on_the_kernels_the_caller_asks_for(
         with monkeypatch.context() as m:
             for name, value in env.items():
                 m.setenv(name, value)
-            built.append(trainedmodel.build(root=tmp_path / isa, progress=False))
+            built.append(demo_model.build(root=tmp_path / isa, progress=False))
     avx2, avx512 = ((p / "model.safetensors").read_bytes() for p in built)
     assert avx2 == avx512
-    assert trainedmodel.metrics(built[1])["kernels"] == trainedmodel.pinned_kernels()
+    assert demo_model.metrics(built[1])["kernels"] == demo_model.pinned_kernels()
 
 
 def test_training_refuses_to_run_on_other_kernels_than_the_pinned_ones(
@@ -121,32 +121,32 @@ def test_training_refuses_to_run_on_other_kernels_than_the_pinned_ones(
 ):
     import torch
 
-    pinned = dict(trainedmodel.PINNED_KERNELS_X86)
-    monkeypatch.setattr(trainedmodel, "pinned_kernels", lambda: pinned)
+    pinned = dict(demo_model.PINNED_KERNELS_X86)
+    monkeypatch.setattr(demo_model, "pinned_kernels", lambda: pinned)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
     with pytest.raises(RuntimeError, match="AVX2 kernels"):
-        trainedmodel._check_pinned_kernels()
+        demo_model._check_pinned_kernels()
 
 
 def test_training_uses_one_thread_on_a_busy_machine(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(trainedmodel.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    monkeypatch.setattr(trainedmodel.os, "getloadavg", lambda: (1.8, 1.0, 1.0))
-    assert trainedmodel.training_threads() == 1
-    monkeypatch.setattr(trainedmodel.os, "getloadavg", lambda: (0.1, 1.0, 1.0))
-    assert trainedmodel.training_threads() == 2
+    monkeypatch.setattr(demo_model.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(demo_model.os, "getloadavg", lambda: (1.8, 1.0, 1.0))
+    assert demo_model.training_threads() == 1
+    monkeypatch.setattr(demo_model.os, "getloadavg", lambda: (0.1, 1.0, 1.0))
+    assert demo_model.training_threads() == 2
 
 
 @pytest.mark.process  # trains in a process of its own
 def test_a_cached_model_is_returned_without_training(
     small, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    path = trainedmodel.build(root=tmp_path, progress=False)
+    path = demo_model.build(root=tmp_path, progress=False)
 
     def fail(*args, **kwargs):
         raise AssertionError("trained again although the model was cached")
 
-    monkeypatch.setattr(trainedmodel, "_train_into", fail)
-    assert trainedmodel.build(root=tmp_path, progress=False) == path
+    monkeypatch.setattr(demo_model, "_train_into", fail)
+    assert demo_model.build(root=tmp_path, progress=False) == path
 
 
 def test_interrupted_training_leaves_no_model_behind(
@@ -156,7 +156,7 @@ def test_interrupted_training_leaves_no_model_behind(
         (path / "config.json").write_text("{}")  # half written, then Ctrl-C
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainedmodel, "_train_into", interrupted)
+    monkeypatch.setattr(demo_model, "_train_into", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        trainedmodel.build(root=tmp_path, progress=False)
+        demo_model.build(root=tmp_path, progress=False)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

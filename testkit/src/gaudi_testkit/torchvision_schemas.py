@@ -8,14 +8,14 @@ hold), `import torchvision` fails: `torchvision/_meta_registrations.py` register
 for `torchvision::nms` and `torchvision::qnms` unconditionally, and those operators are only
 defined by the library that did not load ("operator torchvision::nms does not exist").
 
-`install()` (run at interpreter start by `vllm_gaudi_torchvision.pth`, which the platform wheel
-ships) puts a one-shot import hook in front of torchvision. On the first lookup of torchvision
-the hook tries to load torchvision's library itself. When that works (Intel's Gaudi image, or
-the CPU build `torchvision==X+cpu` from PyTorch's CPU index) it changes nothing. When it fails,
-the hook defines the two operator schemas, without kernels, so the import succeeds; torchvision's
-compiled ops (nms, roi_align, deform_conv2d, ...) stay unavailable and raise when called (a DEBUG
-log line and `vllm-gaudi doctor` say so). Nothing here imports torch or torchvision before
-something asks for torchvision.
+`install()` (run at interpreter start by `gaudi_testkit_torchvision.pth`, which this kit installs
+into the development venv and the packaging tests' clean venvs; no published wheel carries it)
+puts a one-shot import hook in front of torchvision. On the first lookup of torchvision the hook
+tries to load torchvision's library itself. When that works (the CPU build `torchvision==X+cpu`
+from PyTorch's CPU index, or a Gaudi image) it changes nothing. When it fails, the hook defines
+the two operator schemas, without kernels, so the import succeeds; torchvision's compiled ops
+(nms, roi_align, deform_conv2d, ...) stay unavailable and raise when called (a DEBUG log line
+says so). Nothing here imports torch or torchvision before something asks for torchvision.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-_logger = logging.getLogger("vllm.vllm_gaudi_platform.torchvision_schemas")
+_logger = logging.getLogger("vllm.gaudi_testkit.torchvision_schemas")
 
 # Operators whose fake kernels torchvision registers whether or not its library loaded
 # (torchvision/_meta_registrations.py, 0.2x): their schemas, as the library defines them.
@@ -37,7 +37,7 @@ SCHEMAS = {
     "qnms": "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
 
-# What the hook did, for `vllm-gaudi doctor`: None until torchvision is looked up, then
+# What the hook did: None until torchvision is looked up, then
 # "native" (its library loaded) or the load error it worked around.
 state: dict[str, Any] = {"outcome": None}
 _library: Any = None  # the torch.library fragment; kept alive, or its schemas go away

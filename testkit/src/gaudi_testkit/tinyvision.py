@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_gaudi_platform.testing import tinymodels
+from gaudi_testkit import tinymodels
 
 # A chat template whose messages hold a string or a list of parts ({"type": "text", "text": ..}
 # or {"type": "image"}, as vLLM's chat handling passes them), with the image placeholder in

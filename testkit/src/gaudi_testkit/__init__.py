@@ -1,0 +1,1 @@
+"""Helpers the tests and benchmarks share; never published (see ../../README.md)."""
