@@ -189,7 +189,7 @@ def test_a_padding_only_prefill_after_warmup_is_recorded_as_no_packed_row():
 
     tracker = RecompileTracker(strict=False)
     agreed = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), _plan())
-    tracker.warmed.update(agreed.buckets)
+    tracker.warmed.update(tracker.shape(b, False) for b in agreed.buckets)
     tracker.warmup_done = True
     tracker.record(agreed)  # its prefill part has no rows of requests
     assert agreed.prefill.row_members == ()

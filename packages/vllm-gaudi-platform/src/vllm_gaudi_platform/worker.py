@@ -214,7 +214,7 @@ class HPUWorker(Worker):
         return {
             "recompiles": runner.recompiles.count,
             "async_scheduling": runner.use_async_scheduling,
-            "unwarmed_buckets": [vars(b) for b in runner.recompiles.seen],
+            "unwarmed_buckets": list(runner.recompiles.seen),
             "unwarmed_encoder_shapes": list(runner.recompiles.encoder_seen),
             "bucket_hits": dict(runner.recompiles.hits),
             "warmup_seconds": runner.warmup_seconds,

@@ -15,8 +15,8 @@ in per-bucket static buffers that each step updates IN PLACE:
 
 A single-row prompt bucket may have a second graph, its packed variant (several prefills in the
 row), where packing changes the attention branch: always without cached context (the causal
-fast path is for one sequence), and with context for a model with windowed layers. Graphs are
-keyed by (buckets, packed).
+fast path is for one sequence), and with context for a model with windowed or encoder-only
+layers (`packing_matters`). Graphs are keyed by (buckets, packed).
 
 A step run in passes (a mixed prefill + decode step, or prompts in groups of rows: see
 `step_layout.split_passes`) replays one graph per pass. The seam's `Graph` does the capture and
@@ -27,11 +27,12 @@ the captured shape and dtype.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from vllm.v1.attention.backend import AttentionType
 
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.attention.step_layout import StepLayout
@@ -74,11 +75,28 @@ def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
     )
 
 
+def packing_matters(layers: Iterable[Any]) -> bool:
+    """Whether packing several sequences into a prefill row changes the attention branch even
+    in a bucket with cached context: it does for a windowed layer (the window narrows each
+    row's context only with one sequence per row) and for an encoder-only layer, which has no
+    context and takes its packed path (a same-sequence mask) at every bucket it is padded to,
+    whatever the bucket's context blocks. Every other layer branches on packing only without
+    context (the causal fast path)."""
+    for layer in layers:
+        impl = getattr(layer, "impl", None)
+        if getattr(impl, "sliding_window", None) is not None:
+            return True
+        if getattr(impl, "attn_type", None) == AttentionType.ENCODER_ONLY:
+            return True
+    return False
+
+
 def _branch_free_fields(static: HPUAttentionMetadata, packing_matters: bool) -> set[str]:
     """Non-tensor fields no branch of this graph depends on. Packing several sequences into a
-    prefill row changes the code path only without cached context (the causal fast path) or
-    for windowed layers (window narrowing); a runner with no windowed layer says so with
-    `packing_matters=False`, and then a bucket with context has one graph for both."""
+    prefill row changes the code path only without cached context (the causal fast path), for
+    windowed layers and for encoder-only layers (`packing_matters`); a runner whose layers are
+    neither says so with `packing_matters=False`, and then a bucket with context has one graph
+    for both."""
     p = static.layout.prefill
     if not packing_matters and p is not None and p.ctx_bucket > 0:
         return {"prefill_packed"}
@@ -175,8 +193,8 @@ class BucketGraphs:
         self.enabled = enabled
         self.graphs: dict[GraphKey, BucketGraph] = {}
         self.stats = GraphStats()
-        # Whether packed prefill rows take another branch with cached context (windowed layers;
-        # see `_branch_free_fields`). The runner clears it for a model without windows.
+        # Whether packed prefill rows take another branch with cached context (windowed or
+        # encoder-only layers; see `packing_matters`). The runner sets it from the model.
         self.packing_matters = True
 
     def clear(self) -> None:

@@ -258,13 +258,10 @@ class HPUModelRunner(GPUModelRunner):
             )
             if self.draft_bucketing is not None:  # the draft head too, in the same stats
                 self.draft_bucketing.compile(self.compiled_model, self.seam.COMPILE_BACKEND)
-        # HPU graphs: without a windowed layer, a packed prefill row with cached context takes
-        # the same attention branch as one sequence per row, so one graph serves both.
+        # HPU graphs: whether a packed prefill row needs a graph of its own at every bucket.
         layers = self.vllm_config.compilation_config.static_forward_context.values()
-        self.graphs.packing_matters = any(
-            getattr(getattr(layer, "impl", None), "sliding_window", None) is not None
-            for layer in layers
-        )
+        self.graphs.packing_matters = hpu_graphs.packing_matters(layers)
+        self.recompiles.distinct_packed = self.graphs.needs_packed_variant
 
     def _execute_mm_encoder(self, *args: Any, **kwargs: Any) -> Any:
         with vision.one_item_per_pass():  # an image's encoder shapes depend on its size only

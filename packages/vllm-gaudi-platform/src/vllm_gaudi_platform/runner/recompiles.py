@@ -27,10 +27,13 @@ class RecompileTracker:
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
-        self.warmed: set[Bucket] = set()
+        # Shapes run so far: a bucket, and whether it ran as its packed-prefill variant where
+        # that is a shape of its own (`distinct_packed`; the runner's HPU graphs decide it).
+        self.warmed: set[tuple[Bucket, bool]] = set()
+        self.distinct_packed: Callable[[Bucket], bool] = lambda bucket: False
         self.warmup_done = False
         self.count = 0
-        self.seen: list[Bucket] = []
+        self.seen: list[dict] = []
         self.hits: dict[str, int] = {}
         # Serving steps with several prompts in one prefill row (packed; for a model with
         # state-space layers only where no bucket holds them, even in passes).
@@ -39,34 +42,49 @@ class RecompileTracker:
         self.warmed_encoder: set[tuple] = set()
         self.encoder_seen: list[str] = []
 
+    def shape(self, bucket: Bucket, packed: bool) -> tuple[Bucket, bool]:
+        """The shape a pass on `bucket` runs: its packed variant only where that differs."""
+        return bucket, packed and bucket.phase == "prompt" and self.distinct_packed(bucket)
+
     def record(self, layout: step_layout.StepLayout) -> None:
         if not self.warmup_done:
             return
         one_pass = [p.layout for p in layout.parts.passes] if layout.parts else [layout]
         # (a DP rank's padding-only prefill part has no rows)
-        if any(p.prefill and max(map(len, p.prefill.row_members), default=0) > 1 for p in one_pass):
+        packed = [
+            p.prefill is not None and max(map(len, p.prefill.row_members), default=0) > 1
+            for p in one_pass
+        ]
+        if any(packed):
             self.packed_prefills += 1
-        for bucket in layout.buckets:
-            self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
-            if bucket in self.warmed:
-                continue
-            self.count += 1
-            self.seen.append(bucket)
-            logger.warning(
-                "Recompile #%d: %s bucket bs=%d query=%d ctx_blocks=%d was not warmed up",
-                self.count,
-                bucket.phase,
-                bucket.batch_size,
-                bucket.query_len,
-                bucket.ctx_blocks,
+        for part, part_packed in zip(one_pass, packed):
+            for bucket in part.buckets:
+                self._record_bucket(bucket, part_packed)
+
+    def _record_bucket(self, bucket: Bucket, packed: bool) -> None:
+        self.hits[bucket.phase] = self.hits.get(bucket.phase, 0) + 1
+        shape = self.shape(bucket, packed)
+        if shape in self.warmed:
+            return
+        self.count += 1
+        self.seen.append({**vars(bucket), "packed": shape[1]})
+        variant = " (packed-prefill variant)" if shape[1] else ""
+        logger.warning(
+            "Recompile #%d: %s bucket bs=%d query=%d ctx_blocks=%d%s was not warmed up",
+            self.count,
+            bucket.phase,
+            bucket.batch_size,
+            bucket.query_len,
+            bucket.ctx_blocks,
+            variant,
+        )
+        if self.strict:
+            raise RecompileError(
+                f"{bucket}{variant} was not warmed up and {envs.VLLM_FULL_WARMUP}=true forbids "
+                "recompiles after warmup; widen the bucket ranges (VLLM_*_BUCKET_MAX) or "
+                "unset VLLM_FULL_WARMUP."
             )
-            if self.strict:
-                raise RecompileError(
-                    f"{bucket} was not warmed up and {envs.VLLM_FULL_WARMUP}=true forbids "
-                    "recompiles after warmup; widen the bucket ranges (VLLM_*_BUCKET_MAX) or "
-                    "unset VLLM_FULL_WARMUP."
-                )
-            self.warmed.add(bucket)  # compiled once now; later runs reuse it
+        self.warmed.add(shape)  # compiled once now; later runs reuse it
 
     def record_encoder(self, signature: tuple, describe: Callable[[], str]) -> None:
         """One vision-encoder pass on `signature` (runner/vision.py); `describe` names its

@@ -121,7 +121,7 @@ def warmup_model(runner: Any) -> None:
     with runner.maybe_setup_dummy_loras(runner.lora_config):
         for bucket, packed in progress:
             run_bucket(runner, bucket, num_blocks, packed=packed)
-            runner.recompiles.warmed.add(bucket)
+            runner.recompiles.warmed.add(runner.recompiles.shape(bucket, packed))
             progress_log.step()
     if runner.lora_config:
         runner.lora_warmed_shapes = set(hpu_lora.punica_wrapper_of(runner.lora_manager).shapes)
