@@ -4,7 +4,8 @@ and prints one `RESULT <case> <json>` line per case:
     python pooling_job.py '<json job>'
 
 Job: {"cases": {name: {"model": path, "prompts": [[token ids]], "engine": {LLM kwargs},
-"task": "embed" (default), "classify" or "reward", "pooler": {PoolerConfig fields} (optional)}}}.
+"task": "embed" (default), "classify" or "reward", "pooler": {PoolerConfig fields} (optional),
+"env": {variables set while the case's engine runs} (optional)}}}.
 Each case starts `LLM(..., runner="pooling")`, embeds (or classifies: class probabilities; or
 rewards: one score per prompt token, vLLM's `token_classify` task) its prompts twice (once all
 together, mixed lengths in shared steps, once one prompt per call) and
@@ -20,6 +21,8 @@ import gc
 import json
 import sys
 import traceback
+
+from engine_job import environment  # this script's folder is first on sys.path
 
 # What the guard saw for the case running now: whether the loaded model has a compute_logits,
 # and how often anything called it (warmup and serving run in this process: the engine core is
@@ -84,7 +87,8 @@ def main(job: dict) -> None:
     guard_compute_logits()
     for name, case in job["cases"].items():
         try:
-            result = run_case(case)
+            with environment(case.get("env", {})):
+                result = run_case(case)
         except Exception as exc:  # report, and let the next case run
             traceback.print_exc()
             result = {"error": f"{type(exc).__name__}: {exc}"}

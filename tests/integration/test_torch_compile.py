@@ -57,11 +57,6 @@ LOGPROB_TOLERANCE = 1e-4
 # token (tokens identical; the same at the previous release of this test, so not a regression).
 FP8_KV_CASES = {"ct-wna16-kv-fp8": 1e-3, "mixtral-fp8-static": 1e-2}
 EMBEDDING_TOLERANCE = 1e-5  # unit-norm vectors, float32 on both sides
-# BERT keeps exp's plan: its check is that prompt buckets differing only in context blocks compile
-# once (no KV cache), which needs a plan with such buckets. Under the fitted plan (an open bug)
-# warmup leaves the packed variant of its 512-token prefill bucket uncompiled: it compiles while
-# serving, and this test's check fails on it (`EXP_PLAN_CASES = ()` shows it).
-EXP_PLAN_CASES = ("bert",)
 
 
 @pytest.fixture(scope="module")
@@ -138,10 +133,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
         "max_tokens": MAX_TOKENS,
         "engine": COMPILE_ENGINE,
     }
-    fitted = fitted_plan_env()
     for name in CASES:
-        if name not in EXP_PLAN_CASES:
-            cases[name]["env"] = fitted
+        cases[name]["env"] = fitted_plan_env()
     script = Path(__file__).with_name("compile_job.py")
     env = {"PT_HPU_LAZY_MODE": "0"}
     proc = run_job(script, json.dumps(job), env, timeout=300 * len(CASES))
@@ -169,8 +162,7 @@ def test_compiles_once_per_bucket_and_never_after_warmup(runs, name):
     result = runs[name]
     assert "error" not in result, result.get("error")
     stats = result["compiled"]["stats"]
-    strategy = "exp" if name in EXP_PLAN_CASES else "fitted"
-    assert stats["bucket_plan"].startswith(f"bucketing strategy {strategy}"), stats["bucket_plan"]
+    assert stats["bucket_plan"].startswith("bucketing strategy fitted"), stats["bucket_plan"]
     assert_compiled_only_in_warmup(stats)
     assert stats["recompiles"] == 0  # every step's buckets were warmed
     by_bucket = stats["compiles_by_bucket"]

@@ -51,9 +51,9 @@ def test_async_scheduling_is_on_by_default_and_off_where_the_hpu_runner_cannot_u
 
 @pytest.fixture
 def check_async_scheduling(emulated):
-    from vllm_gaudi_platform.platform import _check_async_scheduling
+    from vllm_gaudi_platform.config_checks import check_async_scheduling
 
-    return _check_async_scheduling
+    return check_async_scheduling
 
 
 def _config(speculative: object = None, runner_type: str = "generate") -> SimpleNamespace:

@@ -121,7 +121,7 @@ def test_query_reach_marks_each_span_end():
 def test_the_platform_keeps_each_image_in_one_prefill_chunk():
     from types import SimpleNamespace
 
-    from vllm_gaudi_platform.platform import _whole_images_for_mm_prefix
+    from vllm_gaudi_platform.config_checks import whole_images_for_mm_prefix
 
     def config(prefix_lm: bool, multimodal: bool = True):
         return SimpleNamespace(
@@ -133,7 +133,7 @@ def test_the_platform_keeps_each_image_in_one_prefill_chunk():
 
     gemma, llava, text_only = config(True), config(False), config(True, multimodal=False)
     for c in (gemma, llava, text_only):
-        _whole_images_for_mm_prefix(c)
+        whole_images_for_mm_prefix(c)
     assert gemma.scheduler_config.disable_chunked_mm_input
     assert not llava.scheduler_config.disable_chunked_mm_input
     assert not text_only.scheduler_config.disable_chunked_mm_input

@@ -9,7 +9,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform import config_checks, envs
 from vllm_gaudi_platform.attention.cache_dtypes import (
     HPU_KV_CACHE_DTYPES,
     VLLM_UINT8_FP8_CACHE_DTYPES,
@@ -18,7 +18,7 @@ from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.seam import backend
 
 if TYPE_CHECKING:
-    from vllm.config import ModelConfig, VllmConfig
+    from vllm.config import VllmConfig
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -337,7 +337,7 @@ class HpuPlatform(Platform):
         # Gaudi's runtime (and a torch that already holds threads) cannot be forked safely.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
 
-        _check_async_scheduling(vllm_config)
+        config_checks.check_async_scheduling(vllm_config)
 
         compilation_config = vllm_config.compilation_config
         compilation_config.cudagraph_mode = CUDAGraphMode.NONE
@@ -351,18 +351,18 @@ class HpuPlatform(Platform):
         # runner compiles the forward pass itself with the seam's backend, once per bucket, in
         # eager mode (PT_HPU_LAZY_MODE=0) unless enforce_eager (runner/compiled.py); lazy mode
         # builds its graphs op by op and replays HPU graphs instead.
-        _check_compile_settings(vllm_config)
+        config_checks.check_compile_settings(vllm_config)
         compilation_config.mode = CompilationMode.NONE
         _set_gaudi_runtime_env()
         if parallel_config.use_ray:
             from vllm_gaudi_platform.distributed import ray_cluster
 
             ray_cluster.prepare(parallel_config, emulated=bool(_seam.IS_EMULATED))
-        _check_bucketing(vllm_config)
-        _whole_images_for_mm_prefix(vllm_config)
+        config_checks.check_bucketing(vllm_config)
+        config_checks.whole_images_for_mm_prefix(vllm_config)
 
         model_config = vllm_config.model_config
-        if model_config is not None and _float16_runs_in_bfloat16(model_config):
+        if model_config is not None and config_checks.float16_runs_in_bfloat16(model_config):
             # Gaudi computes in bfloat16 natively; float16 checkpoints run in bfloat16 (same
             # exponent range as float32, so no overflow where float16 would have been exact).
             logger.warning(
@@ -457,118 +457,6 @@ class HpuPlatform(Platform):
 def _block_bytes(cache: torch.Tensor) -> int:
     """Bytes of one block of a block-first KV cache tensor."""
     return cache[0].numel() * cache.element_size()
-
-
-def _float16_runs_in_bfloat16(model_config: ModelConfig) -> bool:
-    """Whether the model would compute in float16 but for Gaudi: an explicit dtype="float16"
-    (still float16 here), or dtype="auto" on a float16 checkpoint, which vLLM already resolved
-    to bfloat16 (the first type of `supported_dtypes`), with its own generic warnings only. An
-    explicit "bfloat16" on a float16 checkpoint looks the same here and gets the warning too."""
-    if model_config.dtype == torch.float16:
-        return True
-    text_config = model_config.hf_text_config
-    checkpoint = getattr(text_config, "dtype", None) or getattr(text_config, "torch_dtype", None)
-    return model_config.dtype == torch.bfloat16 and checkpoint in (torch.float16, "float16")
-
-
-def _whole_images_for_mm_prefix(vllm_config: VllmConfig) -> None:
-    """Models whose images attend among their own tokens both ways (Gemma 3: vLLM's "mm prefix
-    LMs") need each image's tokens in one prefill chunk: every one of them sees the last. The
-    scheduler then never splits an image (`disable_chunked_mm_input`), as vLLM's CUDA platform
-    sets too."""
-    model_config, scheduler_config = vllm_config.model_config, vllm_config.scheduler_config
-    if (
-        model_config is not None
-        and model_config.is_mm_prefix_lm
-        and scheduler_config.is_multimodal_model
-        and not scheduler_config.disable_chunked_mm_input
-    ):
-        logger.info(
-            "%s attends within each image both ways: an image's tokens are prefilled in one "
-            "chunk (disable_chunked_mm_input).",
-            model_config.model,
-        )
-        scheduler_config.disable_chunked_mm_input = True
-
-
-def _check_async_scheduling(vllm_config: VllmConfig) -> None:
-    """Keep vLLM's choice of async scheduling (on by default since vLLM resolves `None` to on),
-    except for configurations the HPU runner does not run with it, which get it off and a log
-    line saying why.
-
-    With async scheduling the engine schedules step N+1 and the runner prepares its inputs
-    (metadata, bucket padding) while step N runs on the device; step N's sampled tokens stay on
-    the device and are scattered into step N+1's input ids there. On a Gaudi in lazy mode the
-    forward returns before the device finishes, so that host work is hidden. In CPU emulation
-    every op finishes before it returns: nothing overlaps, and what CI checks is that the code
-    path (placeholder tokens, device-side input ids, the deferred output copy) gives the same
-    outputs as synchronous scheduling.
-    """
-    scheduler_config = vllm_config.scheduler_config
-    if not scheduler_config.async_scheduling:
-        return
-    reason = None
-    model_config = vllm_config.model_config
-    if vllm_config.speculative_config is not None:
-        # vLLM itself turns it off (or refuses an explicit request) for the n-gram drafter. EAGLE
-        # heads stay synchronous on HPU as well: their drafting passes are planned on the host
-        # from the exact sequence lengths of the step (spec_decode.DraftBucketing).
-        reason = (
-            "speculative decoding: the n-gram drafter reads the sampled tokens on the host, "
-            "which async scheduling leaves on the device, and EAGLE drafting plans its buckets "
-            "from the step's sequence lengths on the host"
-        )
-    elif model_config is not None and model_config.runner_type == "pooling":
-        reason = "pooling models: a pooling step samples no token for the next step to overlap"
-    if reason is not None:
-        logger.info("Async scheduling is off on HPU for %s.", reason)
-        scheduler_config.async_scheduling = False
-
-
-def _check_bucketing(vllm_config: VllmConfig) -> None:
-    """Build the bucket plan once here, in the process that parses the config, so a bad
-    VLLM_*_BUCKET_* setting stops startup with the variable's name before workers spawn."""
-    from vllm_gaudi_platform.bucketing import plan_from_env
-
-    sched = vllm_config.scheduler_config
-    model_config = vllm_config.model_config
-    if model_config is None:
-        return
-    plan_from_env(
-        max_num_seqs=sched.max_num_seqs,
-        max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_model_len=model_config.max_model_len,
-        block_size=vllm_config.cache_config.block_size,
-    )
-    for name in (envs.VLLM_SKIP_WARMUP, envs.VLLM_FULL_WARMUP):
-        envs.get_bool(name)
-    envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
-
-
-def _check_compile_settings(vllm_config: VllmConfig) -> None:
-    """Refuse, before any engine starts, a compile setting this platform would not honour."""
-    import torch._dynamo
-    from vllm.config import CompilationMode
-
-    from vllm_gaudi_platform.runner.compiled import compile_wanted
-
-    mode = vllm_config.compilation_config.mode
-    if mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):
-        raise ValueError(
-            f"compilation mode {mode.name} is not supported on HPU: with PT_HPU_LAZY_MODE=0 the "
-            "platform compiles every bucket with torch.compile itself, and with "
-            "PT_HPU_LAZY_MODE=1 it replays HPU graphs; leave the compilation mode unset (or "
-            "pass enforce_eager=True to compile nothing)."
-        )
-    # torch.compile returns the function untouched under TORCHDYNAMO_DISABLE=1; dynamo's config
-    # flag stops compiled frames from running.
-    dynamo_off = torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE") == "1"
-    if compile_wanted(vllm_config) and dynamo_off:
-        raise ValueError(
-            "PT_HPU_LAZY_MODE=0 runs steps through torch.compile, which TORCHDYNAMO_DISABLE=1 "
-            "turns off: unset TORCHDYNAMO_DISABLE, set PT_HPU_LAZY_MODE=1 for HPU graphs, or "
-            "pass enforce_eager=True."
-        )
 
 
 def _set_gaudi_runtime_env() -> None:
