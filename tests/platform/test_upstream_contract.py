@@ -66,7 +66,7 @@ Writes to objects of another project, not process-wide, on the same list:
   keeps these on every attention layer (`set_default_quant_scales`); the HPU backend reads them.
   Checked: `set_default_quant_scales` still sets all four.
 - `UnquantizedLinearMethod._gemm_impl` is replaced per layer method after loading
-  (runner/model_runner.py, `_route_linears_through_seam`), and an EAGLE drafter's
+  (runner/model_loading.py, `route_linears_through_seam`), and an EAGLE drafter's
   `build_per_group_and_layer_attn_metadata` / `_determine_batch_execution_and_padding` are
   replaced on the drafter instance (runner/spec_decode.py, `DraftBucketing`). Both checked in
   `UPSTREAM` (their names, parameters and the attributes they rely on).
@@ -287,7 +287,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(
         "vllm.model_executor.layers.linear:UnquantizedLinearMethod.apply",
-        "HPUModelRunner._route_linears_through_seam replaces each method's _gemm_impl",
+        "model_loading.route_linears_through_seam replaces each method's _gemm_impl",
         params=("layer", "x", "bias"),
         mentions=("_gemm_impl",),
     ),
@@ -950,7 +950,6 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
                 "_agree_across_dp",
                 "_num_tokens_across_dp",
                 "execute_idle_dp_step",
-                "_route_linears_through_seam",
                 "_run_model",
                 "_rewindable_generators",
                 "token_side_buffers",

@@ -4,10 +4,11 @@ It reuses vLLM's device-neutral runner (input batch, scheduler bookkeeping, samp
 Gaudi needs: the step layout in bucketed static shapes (`step_layout.py`), the warmup of every
 bucket, and the count of shapes run after warmup that were not warmed ("recompiles").
 
-This module holds the runner class: construction, host/device buffers, KV cache and model
-loading (with the unquantized linears routed to the seam), the bucketed step, data-parallel
-agreement and the HPU graph replay. Beside it in `runner/`:
+This module holds the runner class: construction, host/device buffers, the KV cache, the
+bucketed step, data-parallel agreement and the HPU graph replay. Beside it in `runner/`:
 
+- `model_loading.py`: what loading adds to vLLM's loader (LoRA, the quantization method's hook,
+  the drafter, the unquantized linears routed to the seam, the compiled model);
 - `warmup.py`: the warmup driver (`warmup_model`, one bucket's run and forward pass, progress log);
 - `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
 - `streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
@@ -32,7 +33,6 @@ from vllm.config import CUDAGraphMode, VllmConfig
 from vllm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
 from vllm.forward_context import BatchDescriptor, get_forward_context
 from vllm.logger import init_logger
-from vllm.model_executor.model_loader import get_model
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -48,13 +48,13 @@ from vllm_gaudi_platform.runner import (
     hpu_graphs,
     hybrid,
     mixed_steps,
+    model_loading,
     spec_decode,
     state_copies,
     vision,
     warmup,
 )
 from vllm_gaudi_platform.runner import lora as hpu_lora
-from vllm_gaudi_platform.runner.compiled import compile_wanted
 from vllm_gaudi_platform.runner.recompiles import RecompileTracker
 from vllm_gaudi_platform.runner.rng import RewindableGenerator
 from vllm_gaudi_platform.runner.streams import cuda_streams_on_seam
@@ -66,7 +66,8 @@ logger = init_logger(f"vllm.{__name__}")
 class HPUModelRunner(GPUModelRunner):
     def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
         self.seam = seam_backend()
-        self.linears_on_seam = 0  # set by load_model
+        self.linears_on_seam = 0  # set by load_model (model_loading.py), as is:
+        self.compiled_model: compiled.CompiledModel | None = None
         sched = vllm_config.scheduler_config
         # A step holds a prefill part padded to <= max_num_batched_tokens plus a decode part
         # padded to <= max_num_seqs, so the token buffers need room for both.
@@ -222,74 +223,11 @@ class HPUModelRunner(GPUModelRunner):
         """Load the model (or take `model`, already loaded, as vLLM's runner does)."""
         if load_dummy_weights:
             raise ValueError("Dummy weights (elastic EP scale-up) are not supported on HPU.")
-        logger.info("Loading model %s on %s", self.model_config.model, self.seam.NAME)
-        # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
-        loaded: Any = model if model is not None else get_model(vllm_config=self.vllm_config)
-        hybrid.check_state_layers(loaded)
-        self.model = loaded
-        if self.lora_config:
-            # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run
-            # through the platform's punica wrapper (runner/lora.py, PunicaWrapperHPU).
-            self.model = self.load_lora_model(self.model, self.vllm_config, self.device)
-        # A quantization method may transform the loaded model before warmup (INC FP8 patches its
-        # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
-        after_load = getattr(self.vllm_config.quant_config, "hpu_after_load_model", None)
-        if after_load is not None:
-            self.model = after_load(self.model)
-        if hasattr(self, "drafter"):
-            self.drafter.load_model(self.model)
-            if self.use_aux_hidden_state_outputs:
-                # EAGLE-3: the target also returns the hidden states of the layers the head reads
-                # (vLLM's constructor set the flag; its load_model tells the model which layers).
-                self._setup_eagle3_aux_hidden_state_outputs()
-            self.draft_bucketing = spec_decode.draft_bucketing(self)
-        self.linears_on_seam = self._route_linears_through_seam()
-        vision.track_encoder(self)  # vision-encoder shapes counted like the buckets'
-        # torch.compile (eager mode, PT_HPU_LAZY_MODE=0): the forward pass compiled per bucket.
-        self.compiled_model: compiled.CompiledModel | None = None
-        # Diagnostics (the worker's set_compiled_forward): False runs the passes op by op.
-        self.compiled_forward_on = True
-        if compile_wanted(self.vllm_config):
-            self.compiled_model = compiled.CompiledModel(
-                self.model,
-                self.seam.COMPILE_BACKEND,
-                strict=envs.get_bool(envs.VLLM_FULL_WARMUP),
-                publish=self.step_metrics.set_compile,
-            )
-            if self.draft_bucketing is not None:  # the draft head too, in the same stats
-                self.draft_bucketing.compile(self.compiled_model, self.seam.COMPILE_BACKEND)
-        # HPU graphs: whether a packed prefill row needs a graph of its own at every bucket.
-        layers = self.vllm_config.compilation_config.static_forward_context.values()
-        self.graphs.packing_matters = hpu_graphs.packing_matters(layers)
-        self.recompiles.distinct_packed = self.graphs.needs_packed_variant
+        model_loading.load(self, model)
 
     def _execute_mm_encoder(self, *args: Any, **kwargs: Any) -> Any:
         with vision.one_item_per_pass():  # an image's encoder shapes depend on its size only
             return super()._execute_mm_encoder(*args, **kwargs)
-
-    def _route_linears_through_seam(self) -> int:
-        """Send the unquantized linear layers' matmul (vLLM's UnquantizedLinearMethod, which
-        calls F.linear off CUDA and CPU) to the seam's `linear`, in the model and the drafter.
-        Quantized layers keep their method's kernels. Returns the number of layers routed."""
-        from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-        linear = self.seam.linear
-
-        def gemm(
-            layer: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-        ) -> torch.Tensor:
-            return linear(x, weight, bias)
-
-        models = [self.model, getattr(getattr(self, "drafter", None), "model", None)]
-        routed = 0
-        for model in (m for m in models if isinstance(m, torch.nn.Module)):
-            for module in model.modules():
-                method = getattr(module, "quant_method", None)
-                if method is not None and type(method) is UnquantizedLinearMethod:
-                    method._gemm_impl = gemm
-                    routed += 1
-        logger.debug("%d unquantized linear layers run through the seam's linear", routed)
-        return routed
 
     def get_model(self) -> torch.nn.Module:
         return self.model
