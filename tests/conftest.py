@@ -58,15 +58,24 @@ def run_python_process(
     python: str = sys.executable,
     args: tuple[str, ...] = (),
     timeout: float = 900,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python <args> -c code` under `make_env(env)`; a failure is returned, not raised."""
+    """Run `python <args> -c code` under `make_env(env)`; a failure is returned, not raised.
+
+    This interpreter's `python -c` without interpreter options is forked from the preloaded one
+    (tests/zygote.py: torch and the libraries vLLM imports already loaded, vLLM and this
+    project's packages not) where `env` allows; `fresh=True` always starts a new interpreter,
+    for a check of what importing something loads."""
+    argv = [python, *args, "-c", code]
+    run_env = make_env(env)
+    if not fresh and not args and python == sys.executable:
+        from tests import zygote
+
+        proc = zygote.run(argv, run_env, timeout)
+        if proc is not None:
+            return proc
     return subprocess.run(
-        [python, *args, "-c", code],
-        env=make_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+        argv, env=run_env, capture_output=True, text=True, timeout=timeout, check=False
     )
 
 
@@ -92,7 +101,7 @@ def clean_env() -> Callable[..., dict[str, str]]:
 
 @pytest.fixture(scope="session")
 def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
-    """`run_python(code, env=None, *, python=..., args=(), timeout=900) -> CompletedProcess`."""
+    """`run_python(code, env=None, *, python=..., args=(), timeout=900, fresh=False)`."""
     return run_python_process
 
 

@@ -13,8 +13,12 @@ environment.
 The libraries imported ahead read their own environment variables when they are imported
 (TORCH_*, HF_*, OMP_*, PYTHONPATH, ...), so a job is forked only when its environment equals the
 preloaded interpreter's in everything but the variables that only vLLM and this project read
-(VLLM_*, PT_HPU_*); `for_env()` starts one for the first two environments a test process asks
-for and refuses others, which start a fresh interpreter as before. TEST_ZYGOTE=0 turns it off.
+(VLLM_*, PT_HPU_*, and pytest's PYTEST_*, which names each test); `for_env()` starts one for
+the first two environments a test process asks for and refuses others, which start a fresh
+interpreter as before. TEST_ZYGOTE=0 turns it off.
+
+`python -c code` runs the same way (`run_python` in tests/conftest.py, unless a test asks for a
+fresh interpreter: one that checks what is imported at start, say).
 
 Run alone: `python tests/zygote.py SOCKET` serves until SIGTERM. The protocol (one connection
 per job): the client sends a JSON header `{"argv", "env", "cwd"}` with its stdin, stdout and
@@ -68,8 +72,9 @@ PRELOAD = (
 # Set by vllm/env_override.py before torch's compiler modules read them; a preloaded torch must
 # have read the same values.
 VLLM_TORCH_SETTINGS = {"TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
-# Read only by vLLM and this project's packages, which the child imports after the fork.
-CHILD_ONLY_PREFIXES = ("VLLM_", "PT_HPU_")
+# Read only by vLLM and this project's packages, which the child imports after the fork, and by
+# pytest (PYTEST_CURRENT_TEST names each test: the same preloaded interpreter serves them all).
+CHILD_ONLY_PREFIXES = ("VLLM_", "PT_HPU_", "PYTEST_")
 START_TIMEOUT_S = 300
 
 
@@ -185,8 +190,9 @@ def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(data), list(fds)
 
 
-def _become(job: dict[str, Any]) -> str:
-    """Turn this forked child into `python script args` under the job's environment."""
+def _become(job: dict[str, Any]) -> tuple[str, str | None]:
+    """Turn this forked child into `python script args` (or `python -c code args`) under the
+    job's environment; returns the script's path, or "-c" and the code."""
     import random
 
     for target, fd in enumerate(job["fds"]):
@@ -195,15 +201,21 @@ def _become(job: dict[str, Any]) -> str:
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    script = os.path.abspath(job["argv"][1])
-    sys.argv = [job["argv"][1], *job["argv"][2:]]
-    sys.path[0] = os.path.dirname(script)
+    argv = job["argv"]
+    if argv[1] == "-c":  # as the interpreter sets them for -c: argv[0] "-c", the cwd first
+        target, code = "-c", argv[2]
+        sys.argv = ["-c", *argv[3:]]
+        sys.path[0] = ""
+    else:
+        target, code = os.path.abspath(argv[1]), None
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.path.dirname(target)
     random.seed()  # a fresh interpreter's seed, not the zygote's
     with contextlib.suppress(ImportError):
         import numpy
 
         numpy.random.seed()
-    return script
+    return target, code
 
 
 # ----------------------------------------------------------------------------- the client
@@ -350,6 +362,30 @@ def for_env(env: Mapping[str, str]) -> Zygote | None:
         return _ZYGOTES[key]
 
 
+def run(
+    argv: Sequence[str], env: Mapping[str, str], timeout: float | None
+) -> subprocess.CompletedProcess[str] | None:
+    """`argv` (`python script args` or `python -c code args`) forked from the preloaded
+    interpreter for `env`, with the cost markers checked as for any child; None where it must
+    start fresh (the caller then starts it)."""
+    from tests import costs
+
+    child = costs.Child(list(argv))  # the markers are checked before any interpreter starts
+    preloaded = for_env(env)
+    proc = None
+    if preloaded is not None:
+        try:
+            proc = preloaded.run(argv, env, timeout)
+        except subprocess.TimeoutExpired as timed_out:
+            child.ended(timed_out.stdout, timed_out.stderr)
+            raise
+    if proc is None:
+        child.discard()  # refused or none for this environment: started fresh by the caller
+        return None
+    child.ended(proc.stdout, proc.stderr)
+    return proc
+
+
 def stop_all() -> None:
     with _LOCK:
         for zygote in _ZYGOTES.values():
@@ -360,8 +396,15 @@ def stop_all() -> None:
 
 if __name__ == "__main__":
     _job = _serve(sys.argv[1])  # returns only in a forked child
-    _script = _become(_job)
+    _script, _code = _become(_job)
     del _job
-    import runpy
+    if _code is None:
+        import runpy
 
-    runpy.run_path(_script, run_name="__main__")
+        runpy.run_path(_script, run_name="__main__")
+    else:
+        import types
+
+        _main = types.ModuleType("__main__")
+        sys.modules["__main__"] = _main
+        exec(compile(_code, "<string>", "exec"), _main.__dict__)

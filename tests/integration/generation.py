@@ -77,23 +77,12 @@ def run_job(
             run_env.pop(name, None)
         else:
             run_env[name] = value
-    from tests import costs, zygote
+    from tests import zygote
 
     argv = [sys.executable, str(script), arg]
-    child = costs.Child(argv)  # the markers are checked before any interpreter starts
-    preloaded = zygote.for_env(run_env)
-    if preloaded is None:
-        child.discard()
-    else:
-        try:
-            proc = preloaded.run(argv, run_env, timeout)
-        except subprocess.TimeoutExpired as timed_out:
-            child.ended(timed_out.stdout, timed_out.stderr)
-            raise
-        if proc is not None:
-            child.ended(proc.stdout, proc.stderr)
-            return proc
-        child.discard()  # refused (see zygote.py): started fresh below
+    proc = zygote.run(argv, run_env, timeout)
+    if proc is not None:
+        return proc
     return subprocess.run(argv, capture_output=True, text=True, env=run_env, timeout=timeout)
 
 

@@ -162,7 +162,8 @@ print("ALONE " + json.dumps(results))
 def test_every_module_imports_alone_in_a_fresh_interpreter(run_python):
     names = sorted(set(modules()) - NEEDS_GAUDI)
     code = f"NAMES = {json.dumps(names)!r}\n{IMPORT_ALONE}"
-    proc = run_python(code, {"VLLM_HPU_EMULATION": "cpu"}, timeout=900)
+    # Fresh: each module imports with nothing but the interpreter before it.
+    proc = run_python(code, {"VLLM_HPU_EMULATION": "cpu"}, timeout=900, fresh=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("ALONE ")]
     assert lines, proc.stderr[-4000:]
     failures = {name: error for name, error in json.loads(lines[-1][6:]).items() if error}
