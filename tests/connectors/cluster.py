@@ -105,6 +105,10 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "VLLM_HPU_EMULATION": "cpu",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_SKIP_WARMUP": "true",
+            # NIXL's progress thread polls without pause by default: every idle instance would
+            # keep a core busy, and a module's six instances take both cores from the other
+            # test worker.
+            "VLLM_HPU_NIXL_PROGRESS_WAIT_MS": "1",
             "NO_PROXY": "*",
         }
     )
@@ -132,9 +136,13 @@ def start_vllm(
     prefix_caching: bool = True,
     dtype: str = "bfloat16",
     extra_args: list[str] | None = None,
+    nice: int = 0,
 ) -> Server:
+    """A vLLM OpenAI server; `nice` > 0 lowers its scheduling priority (it execs in place, so
+    the server keeps the process id)."""
     port = free_port()
     args = [
+        *(["nice", "-n", str(nice)] if nice else []),
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",

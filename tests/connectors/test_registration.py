@@ -87,3 +87,47 @@ def test_a_free_side_channel_port_is_accepted():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     check_side_channel_port("localhost", port)
+
+
+PROGRESS_WAIT = """
+import sys
+from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
+from vllm_gaudi_connectors.nixl import progress_wait
+
+binding = sys.modules[NixlWrapper.__module__].nixlBind
+create = binding.nixlAgent
+delays = []
+
+def spy(name, config):
+    delays.append(config.pthrDelay)
+    return create(name, config)
+
+binding.nixlAgent = spy
+for wait_ms in (0, 3):
+    with progress_wait(wait_ms):
+        # As vLLM's worker creates its agent (UCX backend, progress thread, 4 worker threads).
+        agent = NixlWrapper(f"agent-{wait_ms}", nixl_agent_config(num_threads=4))
+    assert agent.get_agent_metadata()
+print(delays, binding.nixlAgent is spy)
+"""
+
+
+@pytest.mark.process
+def test_progress_wait_reaches_the_agents_progress_thread_and_zero_keeps_nixls(run_python):
+    """NIXL's own agent sets no wait (0 microseconds); the setting's milliseconds reach the
+    real binding as microseconds, and the binding is put back after the agent is created."""
+    result = run_python(PROGRESS_WAIT, {"VLLM_HPU_EMULATION": "cpu"})
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[0, 3000] True"
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "soon"])
+def test_progress_wait_setting_refuses_what_is_not_whole_milliseconds(monkeypatch, value):
+    from vllm_gaudi_platform import envs
+
+    monkeypatch.setenv(envs.VLLM_HPU_NIXL_PROGRESS_WAIT_MS, value)
+    with pytest.raises(envs.EnvError, match=r"VLLM_HPU_NIXL_PROGRESS_WAIT_MS.*whole number"):
+        envs.nixl_progress_wait_ms()
+    monkeypatch.setenv(envs.VLLM_HPU_NIXL_PROGRESS_WAIT_MS, "2")
+    assert envs.nixl_progress_wait_ms() == 2

@@ -70,6 +70,12 @@ Writes to objects of another project, not process-wide, on the same list:
   `build_per_group_and_layer_attn_metadata` / `_determine_batch_execution_and_padding` are
   replaced on the drafter instance (runner/spec_decode.py, `DraftBucketing`). Both checked in
   `UPSTREAM` (their names, parameters and the attributes they rely on).
+- nixl's agent constructor (`nixlBind.nixlAgent` in the module of vLLM's `NixlWrapper`) is
+  wrapped while `HpuNixlConnectorWorker` runs vLLM's worker constructor, only when
+  VLLM_HPU_NIXL_PROGRESS_WAIT_MS > 0 (vllm_gaudi_connectors/nixl.py, `progress_wait`): the
+  wrapper sets the configuration's `pthrDelay`, which nixl's `nixl_agent.__init__` sets to 0
+  (its UCX progress thread then polls without pause, a host core per worker). Can go when nixl's
+  `nixl_agent_config` takes the delay. Checked: both constructors in `UPSTREAM`.
 """
 
 from __future__ import annotations
@@ -680,6 +686,18 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuNixlConnector's port check mirrors this bind (ZeroMQ ROUTER on host:port)",
         params=("encoded_data", "ready_event", "stop_event", "host", "port"),
         mentions=("ROUTER", "GET_META_MSG"),
+    ),
+    Upstream(
+        f"{NIXL}.base_worker:NixlBaseConnectorWorker.__init__",
+        "HpuNixlConnectorWorker sets the agent's progress wait while this creates the agent",
+        params=("vllm_config", "engine_id", "kv_cache_config"),
+        mentions=("nixl_wrapper_cls", "nixl_agent_config"),
+    ),
+    Upstream(
+        "nixl._api:nixl_agent.__init__",
+        "progress_wait (connectors nixl.py) sets pthrDelay on the config this hands the binding",
+        params=("agent_name", "nixl_conf"),
+        mentions=("nixlBind.nixlAgent", "pthrDelay"),
     ),
     Upstream(
         f"{NIXL}.connector:NixlPullConnector.__init__",

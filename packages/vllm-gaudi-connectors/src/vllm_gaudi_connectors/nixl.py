@@ -13,6 +13,10 @@ overrides only what differs on HPU:
   at start with the setting to change. The KV cache counts as device memory in CPU emulation
   too (where vLLM, seeing device type "cpu", would let NIXL read it directly), so emulation
   stages through host buffers exactly as a Gaudi does;
+- the progress thread: NIXL's Python agent starts its UCX progress thread with no wait between
+  polls, so every worker keeps a host core busy, idle or not; VLLM_HPU_NIXL_PROGRESS_WAIT_MS
+  sets that wait (NIXL's `pthrDelay`) for the agent vLLM's worker creates. Unset or 0 leaves
+  NIXL's setting;
 - the handshake side channel: vLLM binds VLLM_NIXL_SIDE_CHANNEL_PORT (+ the data-parallel
   index) in a listener thread of the engine process; when the port is taken that thread dies and
   the engine waits for it forever. The scheduler side checks the port first and refuses to start,
@@ -34,9 +38,11 @@ Start instances with `--kv-transfer-config '{"kv_connector": "HpuNixlConnector",
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -244,6 +250,35 @@ class HpuNixlConnectorScheduler(NixlPullConnectorScheduler):
         self.use_host_buffer = uses_host_staging(kv_transfer_config.kv_buffer_device)
 
 
+@contextlib.contextmanager
+def progress_wait(wait_ms: int) -> Iterator[None]:
+    """While the block runs, every NIXL agent created through vLLM's `NixlWrapper` (nixl's
+    `nixl_agent`) gets a progress thread that waits up to `wait_ms` for events between polls.
+
+    nixl's `nixl_agent.__init__` builds its agent configuration and sets `pthrDelay` (the
+    progress thread's poll timeout, in microseconds) to 0, with no parameter to change it; the
+    binding's agent constructor is wrapped for the block to set it before the agent and its UCX
+    backend are created. 0 changes nothing. Ledger: tests/platform/test_upstream_contract.py.
+    """
+    if wait_ms <= 0:
+        yield
+        return
+    from vllm.distributed.nixl_utils import NixlWrapper
+
+    binding = sys.modules[NixlWrapper.__module__].nixlBind
+    create = binding.nixlAgent
+
+    def create_waiting(name: str, config: Any) -> Any:
+        config.pthrDelay = wait_ms * 1000
+        return create(name, config)
+
+    binding.nixlAgent = create_waiting
+    try:
+        yield
+    finally:
+        binding.nixlAgent = create
+
+
 class HpuNixlConnectorWorker(NixlPullConnectorWorker):
     """vLLM's pull worker that stages through host buffers on the HPU device, emulated or not,
     and whose handshake names each incompatible field with both values."""
@@ -252,7 +287,8 @@ class HpuNixlConnectorWorker(NixlPullConnectorWorker):
     compatibility_fields: dict[str, str]
 
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        with progress_wait(envs.nixl_progress_wait_ms()):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         self.use_host_buffer = uses_host_staging(self.kv_buffer_device)
 
     def set_host_xfer_buffer_ops(self, copy_operation: Any) -> None:
@@ -344,6 +380,7 @@ class HpuNixlConnector(NixlConnector):
             kv_transfer_config.kv_buffer_device,
             device_to_device=envs.get_bool(envs.VLLM_NIXL_DEVICE_TO_DEVICE),
         )
+        envs.nixl_progress_wait_ms()  # a bad value fails here, on both sides, before any agent
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler side is created just before vLLM binds the port (see above).
             from vllm import envs as vllm_envs
