@@ -151,6 +151,78 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_calibrate)
 
 
+def _buckets(args: argparse.Namespace) -> int:
+    import os
+
+    from vllm_gaudi_platform.commands import buckets
+    from vllm_gaudi_platform.envs import EnvError
+
+    limits = buckets.EngineLimits(
+        args.max_num_seqs,
+        args.max_num_batched_tokens,
+        args.max_model_len,
+        args.block_size,
+        args.num_kv_blocks,
+    )
+    try:
+        table, shapes = buckets.rows(limits, os.environ, args.trace, args.fractions)
+    except EnvError as exc:  # an unreadable trace: one line naming it
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"limits": vars(limits), "plans": [r.to_json() for r in table]}))
+    else:
+        print(buckets.render(limits, table, shapes, args.trace, args.list))
+    return 0
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not comma-separated numbers") from None
+    if not all(0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each fraction must be in (0, 1]")
+    return values
+
+
+def _add_buckets(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "buckets",
+        help="the buckets each strategy would warm, and a trace's padding, without an engine",
+        description=(
+            "Prints, for the engine limits given, the bucket plan the engine would build with "
+            "the current VLLM_BUCKETING_* / VLLM_PROMPT_* settings, then exp, lin and pad with "
+            "the same settings: the graphs each warms, and with --trace (a file "
+            "VLLM_BUCKETING_RECORD_TRACE wrote while serving) the fitted plans within exp's "
+            "graph count and each --fractions of it, and the padding every plan would give the "
+            "trace's steps. Starts no engine and imports neither vllm nor torch."
+        ),
+    )
+    parser.add_argument("--max-num-seqs", type=int, required=True)
+    parser.add_argument("--max-num-batched-tokens", type=int, required=True)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    parser.add_argument("--block-size", type=int, default=128, help="KV cache block size")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV cache blocks, when known (the engine logs them): caps the decode buckets",
+    )
+    parser.add_argument("--trace", default=None, help="a recorded trace of step shapes")
+    parser.add_argument(
+        "--fractions",
+        type=_fractions,
+        default=[0.5, 0.25],
+        help="graph budgets of the fitted rows, as fractions of exp's count (default 0.5,0.25)",
+    )
+    parser.add_argument(
+        "--list", default=None, metavar="PLAN", help="also list the buckets of PLAN (e.g. exp)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(run=_buckets)
+
+
 PROXY_MISSING = (
     "vllm-gaudi proxy is part of the vllm-gaudi-connectors wheel: pip install vllm-gaudi-connectors"
 )
@@ -203,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     _add_calibrate(subparsers)
     _add_proxy(subparsers)
+    _add_buckets(subparsers)
     return parser
 
 

@@ -158,7 +158,12 @@ from vllm_gaudi_platform.bucketing.buckets import (
 )
 from vllm_gaudi_platform.bucketing.exp import exponential_range
 from vllm_gaudi_platform.bucketing.file import FILE_STRATEGY, read_bucket_file
-from vllm_gaudi_platform.bucketing.fitted import FITTED_STRATEGY, fit_buckets
+from vllm_gaudi_platform.bucketing.fitted import (
+    FITTED_STRATEGY,
+    fit_buckets,
+    padding_ratios,
+    trace_padding,
+)
 from vllm_gaudi_platform.bucketing.lin import linear_range
 from vllm_gaudi_platform.bucketing.pad import padding_aware_range
 from vllm_gaudi_platform.bucketing.plan import STRATEGIES, STRATEGY_PLANS, plan_from_env
@@ -181,7 +186,9 @@ __all__ = [
     "graph_count",
     "linear_range",
     "padding_aware_range",
+    "padding_ratios",
     "plan_from_env",
     "prefill_batch_max",
     "read_bucket_file",
+    "trace_padding",
 ]

@@ -80,7 +80,7 @@ class _Cell:
     count: int  # steps
 
 
-def _padding(
+def trace_padding(
     shapes: Mapping[TracedShape, int],
     find_prompt: Callable[[int, int, int], Bucket | None],
     find_decode: Callable[[int, int], Bucket | None],
@@ -107,7 +107,7 @@ def _padding(
     return real, padded
 
 
-def _ratios(real: list[float], padded: list[float]) -> list[float]:
+def padding_ratios(real: list[float], padded: list[float]) -> list[float]:
     return [p / r - 1 if r else 0.0 for r, p in zip(real, padded)]
 
 
@@ -198,13 +198,13 @@ def _fit_graphs(
             "prefill batch size up to VLLM_PROMPT_BS_BUCKET_MAX, the largest prompt shape); "
             f"raise it to at least {len(problem.fixed)} or unset it."
         )
-    real, padded = _padding(problem.shapes, *_reference_lookups(*reference))
-    scale = [max(e, FIT_REFERENCE_FLOOR) for e in _ratios(real, padded)]
+    real, padded = trace_padding(problem.shapes, *_reference_lookups(*reference))
+    scale = [max(e, FIT_REFERENCE_FLOOR) for e in padding_ratios(real, padded)]
     traced = [k for k in range(4) if real[k]]
     base = [1 / (real[k] * scale[k]) if real[k] else 1.0 for k in range(4)]
 
     def relative(plan: BucketPlan) -> list[float]:
-        got = _ratios(*_padding(problem.shapes, plan.find_prompt, plan.find_decode))
+        got = padding_ratios(*trace_padding(problem.shapes, plan.find_prompt, plan.find_decode))
         return [got[k] / scale[k] if real[k] else 0.0 for k in range(4)]
 
     plan = _fit_within(problem, budget, _prices(base, (1.0,) * 4))
