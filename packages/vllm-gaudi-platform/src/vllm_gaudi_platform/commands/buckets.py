@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import (
+    DEFAULT_STRATEGY,
     FITTED_STRATEGY,
+    Bucket,
     BucketPlan,
     can_pack,
     graph_count,
@@ -126,6 +128,30 @@ def _row(label: str, limits: EngineLimits, environ: Mapping[str, str]) -> Row:
     return Row(label, warmed, strategy_graphs=graph_count(plan.prompt, plan.decode))
 
 
+def _trace_figures(
+    plan: BucketPlan, shapes: Counter[TracedShape]
+) -> tuple[list[float | None], int]:
+    """The plan's padding per column on the trace (None where the trace has none of a column's
+    units) and the trace's steps no bucket holds, in one pass of lookups."""
+    missed: list[int] = []
+
+    def find_prompt(batch: int, query: int, ctx: int) -> Bucket | None:
+        bucket = plan.find_prompt(batch, query, ctx)
+        if bucket is None:
+            missed.append(shapes[TracedShape("prompt", batch, query, ctx)])
+        return bucket
+
+    def find_decode(batch: int, blocks: int) -> Bucket | None:
+        bucket = plan.find_decode(batch, blocks)
+        if bucket is None:
+            missed.append(shapes[TracedShape("decode", batch, 1, blocks)])
+        return bucket
+
+    real, padded = trace_padding(shapes, find_prompt, find_decode)
+    ratios = padding_ratios(real, padded)
+    return [r if units else None for r, units in zip(ratios, real)], sum(missed)
+
+
 def rows(
     limits: EngineLimits,
     environ: Mapping[str, str],
@@ -135,7 +161,7 @@ def rows(
     """Every row, measured on the trace at ``trace`` when given (EnvError when it is unusable)."""
     shapes = read_trace(trace) if trace else None
     configured = environ.get(VLLM_BUCKETING_FROM_FILE) or environ.get(
-        VLLM_BUCKETING_STRATEGY, "exp"
+        VLLM_BUCKETING_STRATEGY, DEFAULT_STRATEGY
     )
     base = {k: v for k, v in environ.items() if k not in ROW_SETTINGS}
     result = [_row(f"configured ({configured})", limits, environ)]
@@ -151,22 +177,7 @@ def rows(
     if shapes is not None:
         for row in result:
             if row.plan is not None:
-                plan = row.plan
-                real, padded = trace_padding(shapes, plan.find_prompt, plan.find_decode)
-                row.padding = [
-                    ratio if units else None
-                    for ratio, units in zip(padding_ratios(real, padded), real)
-                ]
-                row.outside = sum(
-                    n
-                    for s, n in shapes.items()
-                    if (
-                        plan.find_prompt(s.batch_size, s.query_len, s.ctx_blocks)
-                        if s.phase == "prompt"
-                        else plan.find_decode(s.batch_size, s.ctx_blocks)
-                    )
-                    is None
-                )
+                row.padding, row.outside = _trace_figures(row.plan, shapes)
     return result, shapes
 
 
