@@ -8,7 +8,7 @@ import json
 import pytest
 
 from vllm_gaudi_platform import cli, compat, envs
-from vllm_gaudi_platform.commands import doctor
+from vllm_gaudi_platform.commands import doctor, doctor_optional
 
 # The doctor probes NIXL's UCX backend in an interpreter of its own (once per process, in
 # whichever test asks first).
@@ -273,11 +273,11 @@ def test_missing_optional_dependency_is_info_not_a_problem(capsys, emulation, mo
     quant = doctor.Wheel("vllm-gaudi-quant", platform[0].version)
     monkeypatch.setattr(doctor, "installed_wheels", lambda: [*platform, quant])
     monkeypatch.setattr(
-        doctor,
+        doctor_optional,
         "OPTIONAL_DEPENDENCIES",
         {
             "vllm-gaudi-quant": (
-                doctor.OptionalDependency(
+                doctor_optional.OptionalDependency(
                     "absent-pkg", "absent_pkg_for_test", ("absent-pkg",), "pip install x", "X"
                 ),
             )
