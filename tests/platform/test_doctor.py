@@ -181,6 +181,54 @@ def test_vllm_outside_supported_range_is_a_problem_naming_version_and_range(
     assert problems_mentioning(report, "vllm 0.31.2", str(compat.SUPPORTED_VLLM))
 
 
+def test_skip_version_check_turns_the_range_problem_into_info_saying_all_register(
+    capsys, emulation, monkeypatch
+):
+    old = compat.VersionCheck("vllm", "0.34.0", str(compat.SUPPORTED_VLLM), "vllm")
+    monkeypatch.setattr(compat, "check_vllm", lambda: old)
+    monkeypatch.setenv("VLLM_HPU_SKIP_VERSION_CHECK", "1")
+
+    status, report = doctor_json(capsys)
+
+    assert status == 0, report["problems"]
+    assert [i for i in report["info"] if "vllm 0.34.0" in i and "registering anyway" in i]
+
+
+def _vllm_package_with(monkeypatch, tmp_path, *files: str) -> None:
+    for name in files:
+        (tmp_path / name).write_bytes(b"")
+    spec = compat.importlib.util.spec_from_file_location(
+        "vllm", tmp_path / "__init__.py", submodule_search_locations=[str(tmp_path)]
+    )
+    real_find_spec = compat.importlib.util.find_spec
+    monkeypatch.setattr(
+        compat.importlib.util,
+        "find_spec",
+        lambda name, *a: spec if name == "vllm" else real_find_spec(name, *a),
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "words"),
+    [
+        (("__init__.py", "_custom_ops.py"), ("gaudi-style", "no vllm._C")),
+        (("__init__.py", "_C.abi3.so", "_C_AVX2.abi3.so"), ("CPU build", "_C, _C_AVX2")),
+        (("__init__.py", "_C.abi3.so", "_moe_C.abi3.so"), ("vllm._C present: _C",)),
+    ],
+)
+def test_doctor_names_the_vllm_build_and_the_version_rule(
+    capsys, emulation, monkeypatch, tmp_path, files, words
+):
+    _vllm_package_with(monkeypatch, tmp_path, *files)
+
+    _, out = run_doctor(capsys)
+
+    [build] = [line for line in out.splitlines() if line.startswith("  vllm build")]
+    assert all(w in build for w in words), build
+    rule = out[out.index("  version rule") :]
+    assert "no entry point registers" in rule and "VLLM_HPU_SKIP_VERSION_CHECK=1" in rule
+
+
 def test_vllm_not_installed_is_a_problem(capsys, emulation, monkeypatch):
     missing = compat.VersionCheck("vllm", None, str(compat.SUPPORTED_VLLM))
     monkeypatch.setattr(compat, "check_vllm", lambda: missing)

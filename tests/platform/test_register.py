@@ -142,6 +142,63 @@ def test_general_plugin_warns_once_naming_version_and_range_for_unsupported_vllm
     assert str(compat.SUPPORTED_VLLM) in message
 
 
+def _vllm_at(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    check = compat.VersionCheck("vllm", version, str(compat.SUPPORTED_VLLM), "vllm")
+    monkeypatch.setattr(compat, "check_vllm", lambda: check)
+
+
+def test_platform_refuses_a_vllm_outside_the_range_as_the_general_plugins_do(
+    fresh_outcomes, monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    _vllm_at(monkeypatch, "0.34.0")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
+
+    assert vllm_gaudi_platform.register() is None
+
+    [warning] = _records(caplog, logging.WARNING)
+    message = warning.getMessage()
+    assert "HPU platform not registered" in message
+    assert "vllm 0.34.0" in message and str(compat.SUPPORTED_VLLM) in message
+    assert "VLLM_HPU_SKIP_VERSION_CHECK=1" in message
+
+
+def test_skip_version_check_registers_the_platform_and_the_plugins_each_with_a_warning(
+    fresh_outcomes, hpu_active, monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    monkeypatch.setenv("VLLM_HPU_SKIP_VERSION_CHECK", "1")
+    _vllm_at(monkeypatch, "0.34.0")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
+    register, calls = _counting_plugin("hpu_test_override")
+
+    assert vllm_gaudi_platform.register() == PLATFORM_CLASS
+    register()
+
+    assert calls == [1]
+    assert plugins.OUTCOMES["hpu_test_override"] == "registered"
+    warnings = [r.getMessage() for r in _records(caplog, logging.WARNING)]
+    assert len(warnings) == 2
+    assert all("vllm 0.34.0" in w and "registering anyway" in w for w in warnings)
+
+
+def test_a_bad_skip_version_check_value_refuses_both_naming_the_variable(
+    fresh_outcomes, hpu_active, monkeypatch, caplog
+):
+    monkeypatch.setenv("VLLM_HPU_EMULATION", "cpu")
+    monkeypatch.setenv("VLLM_HPU_SKIP_VERSION_CHECK", "maybe")
+    caplog.set_level(logging.DEBUG, logger="vllm.vllm_gaudi_platform")
+    register, calls = _counting_plugin("hpu_test_bad_override")
+
+    assert vllm_gaudi_platform.register() is None
+    register()
+
+    assert calls == []
+    warnings = [r.getMessage() for r in _records(caplog, logging.WARNING)]
+    assert len(warnings) == 2
+    assert all("VLLM_HPU_SKIP_VERSION_CHECK='maybe'" in w for w in warnings)
+
+
 def test_general_plugin_turns_missing_dependency_into_a_warning(fresh_outcomes, hpu_active, caplog):
     def needs_nixl() -> None:
         plugins.require("nixl-test-package", "nixl_test_package_absent", "vllm-gaudi-x[nixl]")

@@ -135,7 +135,15 @@ class HpuOffloadingWorker(OffloadingWorker):
     ) -> bool:
         return self._copy(job_id, src_spec, dst_spec, store=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # `expedited` (vLLM 0.33: a load waited on within the step must not queue behind others):
+        # every load here is done when this call returns, so none ever queues.
         return self._copy(job_id, dst_spec, src_spec, store=False)
 
     def get_finished(self) -> list[TransferResult]:

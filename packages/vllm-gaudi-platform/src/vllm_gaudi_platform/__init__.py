@@ -18,9 +18,11 @@ def register() -> str | None:
     """vLLM platform plugin: return the HPU platform class path, or None to stay inactive.
 
     Active when a Gaudi device is present (habana_frameworks importable and at least one device)
-    or when VLLM_HPU_EMULATION=cpu asks for CPU emulation. Never raises, because vLLM swallows
-    platform-plugin exceptions without a word: every failure is logged at WARNING with the reason
-    and turns into None. With no device and no emulation it imports neither torch nor vllm.
+    or when VLLM_HPU_EMULATION=cpu asks for CPU emulation, and the installed vLLM is in the
+    supported range (compat.py's policy, the same for every entry point). Never raises, because
+    vLLM swallows platform-plugin exceptions without a word: every failure is logged at WARNING
+    with the reason and turns into None. With no device and no emulation it imports neither torch
+    nor vllm.
     """
     try:
         from vllm_gaudi_platform.seam.probe import probe_device
@@ -32,4 +34,12 @@ def register() -> str | None:
     if not probe.active:
         _logger.debug("HPU platform inactive: %s", probe.reason)
         return None
+    from vllm_gaudi_platform import compat
+
+    problem, proceed = compat.version_refusal()
+    if not proceed:
+        _logger.warning("HPU platform not registered: %s", problem)
+        return None
+    if problem is not None:
+        _logger.warning("HPU platform: %s", problem)
     return PLATFORM_CLASS

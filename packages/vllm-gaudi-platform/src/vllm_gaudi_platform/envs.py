@@ -51,6 +51,13 @@ VLLM_HPU_EMULATION = _declare(
     "Unset or empty: use a real Gaudi if one is present, otherwise stay inactive.",
     kind="choice",
 )
+VLLM_HPU_SKIP_VERSION_CHECK = _declare(
+    "VLLM_HPU_SKIP_VERSION_CHECK",
+    "0",
+    "true: register the platform and every general plugin even with a vLLM outside the supported "
+    "range (each warns; untested). Default: outside the range none of them registers.",
+    kind="bool",
+)
 HABANA_VISIBLE_MODULES = _declare(
     "HABANA_VISIBLE_MODULES", None, "Comma-separated Gaudi module ids this process may use."
 )

@@ -6,7 +6,9 @@ function so that it:
 
 - runs its body at most once per process (idempotent);
 - does nothing but one DEBUG line when the active platform is not HPU (real or emulated);
-- turns a vLLM outside the supported range into one WARNING naming the version and the range;
+- turns a vLLM outside the supported range into one WARNING naming the version and the range,
+  and registers nothing unless VLLM_HPU_SKIP_VERSION_CHECK=1 (compat.py: the one policy, which
+  the platform's own entry point follows too);
 - turns a missing optional dependency (ImportError) into one WARNING naming the package.
 """
 
@@ -88,11 +90,13 @@ def general_plugin(name: str) -> Callable[[Callable[[], None]], Callable[[], Non
                 OUTCOMES[name] = "skipped: active platform is not HPU"
                 _logger.debug("%s: active vLLM platform is not HPU; nothing registered", name)
                 return
-            version = compat.check_vllm()
-            if not version.ok:
-                OUTCOMES[name] = f"skipped: {version.problem()}"
-                _logger.warning("%s not registered: %s", name, version.problem())
+            problem, proceed = compat.version_refusal()
+            if not proceed:
+                OUTCOMES[name] = f"skipped: {problem}"
+                _logger.warning("%s not registered: %s", name, problem)
                 return
+            if problem is not None:
+                _logger.warning("%s: %s", name, problem)
             try:
                 body()
             except MissingDependency as exc:

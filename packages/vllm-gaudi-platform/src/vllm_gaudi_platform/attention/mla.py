@@ -185,6 +185,7 @@ class HPUMLAImpl(MLAAttentionImpl[HPUAttentionMetadata]):
         slot_mapping: torch.Tensor,
         kv_cache_dtype: str,
         k_scale: torch.Tensor,
+        skip_scale: bool = False,  # vLLM 0.33's signature (FP8 writes without a scale); unused
     ) -> None:
         # forward_mha writes the latent rows itself, from the metadata's slot mapping: with HPU
         # graphs that mapping is the bucket's static buffer (padding tokens write to the null

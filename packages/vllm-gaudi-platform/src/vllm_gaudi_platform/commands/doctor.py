@@ -303,8 +303,13 @@ def _check_versions(report: Report) -> None:
             "ok": check.ok,
         }
         problem = check.problem()
-        if problem:
+        if problem and check.package == "vllm":
+            problem, registers = compat.version_refusal()
+            (report.problems if not registers else report.info).append(str(problem))
+        elif problem:
             report.problems.append(problem)
+    if report.versions["vllm"]["found"]:
+        report.versions["vllm"]["build"] = compat.vllm_build_kind()
 
 
 def _check_settings(report: Report) -> None:
@@ -408,6 +413,14 @@ def render(report: Report) -> str:
         )
         verdict = "ok" if v["ok"] else "OUT OF RANGE" if v["found"] else "MISSING"
         lines.append(f"  {package:<12}  {found}{dist}, supported {v['supported']}: {verdict}")
+        if v.get("build"):
+            lines += _wrap(v["build"], "  vllm build    ", " " * 16)
+    lines += _wrap(
+        f"outside the supported vLLM range no entry point registers; {compat.SKIP_VERSION_CHECK}"
+        "=1 registers them all anyway (untested)",
+        "  version rule  ",
+        " " * 16,
+    )
     if not report.settings:
         lines.append("  settings      all defaults")
     for setting in report.settings:
