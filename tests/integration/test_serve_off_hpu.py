@@ -18,8 +18,9 @@ from gaudi_testkit import tinymodels
 from tests.integration import openai_server
 from tests.integration.generation import ENGINE, assert_close, hf_greedy, make_prompts
 from tests.integration.openai_server import as_result, post
+from tests.vllm_build import needs_vllm_cpu_backend
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, needs_vllm_cpu_backend]
 
 MAX_TOKENS = 8
 

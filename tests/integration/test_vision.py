@@ -43,6 +43,7 @@ from tests.integration.generation import (
     run_job,
 )
 from tests.integration.vision import CASES, MAX_TOKENS, chat_messages, chat_result, hf_greedy
+from tests.vllm_build import needs_vllm_cpu_backend
 
 pytestmark = pytest.mark.engine
 
@@ -184,6 +185,7 @@ def test_offline_generation_with_images_matches_transformers(offline, reference,
 
 
 @pytest.mark.parametrize("arch", CPU_CROSS_CHECKED)
+@needs_vllm_cpu_backend
 def test_offline_generation_matches_vllm_cpu_backend(offline, cpu_backend, arch):
     ours, theirs = offline["rounds"][0], cpu_backend[arch]["rounds"][0]
     diverged = assert_close([ours[n] for n in FIRST], [theirs[n] for n in FIRST], arch)
@@ -197,6 +199,7 @@ def _first_step_gap(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("arch", ["gemma3"])
+@needs_vllm_cpu_backend
 def test_gemma3_images_attend_both_ways_here_and_causally_on_the_cpu_backend(
     offline, cpu_backend, models, reference, arch
 ):

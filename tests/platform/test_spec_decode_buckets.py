@@ -41,6 +41,21 @@ def test_other_methods_are_refused_with_the_method_and_the_supported_ones_named(
     assert "supported: ngram, eagle, eagle3, mtp." in str(err.value)
 
 
+def test_ngram_without_numba_is_refused_naming_the_package(monkeypatch):
+    # A Gaudi-style vLLM build installs vLLM's common requirements only, which lack numba.
+    real_find_spec = spec_decode.importlib.util.find_spec
+    monkeypatch.setattr(
+        spec_decode.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "numba" else real_find_spec(name, *a),
+    )
+
+    with pytest.raises(ValueError, match="needs numba") as err:
+        spec_decode.check_speculative_config(SimpleNamespace(method="ngram"))
+    assert "pip install numba" in str(err.value)
+    spec_decode.check_speculative_config(SimpleNamespace(method="eagle"))
+
+
 def test_eagle_with_parallel_drafting_is_refused():
     with pytest.raises(ValueError, match="parallel drafting"):
         spec_decode.check_speculative_config(

@@ -39,6 +39,13 @@ OPTIONAL_DEPENDENCIES: dict[str, tuple[OptionalDependency, ...]] = {
             "pip install 'vllm-gaudi-platform[ray]'",
             "vLLM's Ray executor (--distributed-executor-backend ray, multi-node)",
         ),
+        OptionalDependency(
+            "numba",
+            "numba",
+            ("numba",),
+            "pip install numba",
+            "vLLM's n-gram speculative decoding",
+        ),
     ),
     "vllm-gaudi-quant": (
         OptionalDependency(

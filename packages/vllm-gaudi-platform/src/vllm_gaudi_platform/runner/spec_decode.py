@@ -13,6 +13,8 @@ Rejection sampling itself is vLLM's, with plain-torch stand-ins for its Triton k
 
 from __future__ import annotations
 
+import importlib.util
+
 import dataclasses
 from typing import Any
 
@@ -46,6 +48,14 @@ def check_speculative_config(speculative_config: Any) -> None:
                 f"speculative_config method {method!r} with parallel drafting is not supported "
                 "on HPU (its input kernels have no HPU stand-in); use a head without parallel "
                 "drafting or drop speculative_config."
+            )
+        if method == "ngram" and importlib.util.find_spec("numba") is None:
+            # vLLM's n-gram proposer is numba code; vLLM's CPU and CUDA requirements bring numba,
+            # its common ones (all a Gaudi-style build, VLLM_TARGET_DEVICE=empty, installs) do not.
+            raise ValueError(
+                "speculative_config method 'ngram' needs numba (vLLM's n-gram proposer is "
+                "compiled by it), which is not installed; pip install numba, or use another "
+                "method or drop speculative_config."
             )
         if getattr(speculative_config, "disable_padded_drafter_batch", False) and method != "ngram":
             raise ValueError(
