@@ -13,9 +13,8 @@ Rejection sampling itself is vLLM's, with plain-torch stand-ins for its Triton k
 
 from __future__ import annotations
 
-import importlib.util
-
 import dataclasses
+import importlib.util
 from typing import Any
 
 from vllm_gaudi_platform.attention import step_layout
