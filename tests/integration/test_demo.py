@@ -65,6 +65,13 @@ def test_the_demo_shows_no_known_third_party_noise(demo):
     assert "HPU platform active: Gaudi kernels emulated on cpu" in screen
 
 
+def test_every_entry_point_registers_on_this_vllm(demo):
+    # On both CI legs (vLLM 0.32's CPU build, 0.33 built as a Gaudi image builds it) no plugin
+    # refuses: a refusal logs "<entry point> not registered: <why>".
+    screen = demo.stdout + demo.stderr
+    assert [line for line in screen.splitlines() if "not registered" in line] == []
+
+
 def test_the_noise_filters_drop_only_their_own_messages():
     import logging
 
