@@ -18,7 +18,6 @@ returns it, chosen once per process.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,9 +30,31 @@ if TYPE_CHECKING:
     _gaudi_backend: HpuBackend = gaudi
 
 
-@functools.cache
+# The chosen backend, once chosen. A plain module global, not a functools cache: the op families
+# call backend() inside forward passes that torch.compile traces, and dynamo warns at every
+# functools.lru_cache it meets there (it traces through the wrapper), while a global read is
+# what it guards on anyway.
+_active: HpuBackend | None = None
+
+
 def backend() -> HpuBackend:
     """The active backend: `gaudi` on a Gaudi, `emulated` under VLLM_HPU_EMULATION=cpu."""
+    global _active
+    if _active is None:
+        _active = _choose()
+    return _active
+
+
+def _cache_clear() -> None:
+    """Forget the choice (tests switch the environment between backends)."""
+    global _active
+    _active = None
+
+
+backend.cache_clear = _cache_clear  # type: ignore[attr-defined]
+
+
+def _choose() -> HpuBackend:
     from vllm_gaudi_platform.seam.probe import probe_device
 
     probe = probe_device()
