@@ -364,7 +364,7 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
     config = getattr(transformers, cls_name)(**config_kwargs)
     torch.manual_seed(seed)
     auto = transformers.AutoModel if name in ENCODERS else transformers.AutoModelForCausalLM
-    model = auto.from_config(config, torch_dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     if name in RANDOM_BIASES:
         with torch.no_grad():
             for param_name, param in model.named_parameters():

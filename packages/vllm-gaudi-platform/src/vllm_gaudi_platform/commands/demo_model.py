@@ -462,7 +462,7 @@ def transformers_logprobs(path: Path | str, windows: Sequence[Sequence[int]]) ->
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for window in windows:
