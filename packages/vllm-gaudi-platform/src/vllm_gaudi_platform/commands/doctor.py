@@ -15,15 +15,15 @@ import importlib.machinery
 import importlib.util
 import os
 import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from importlib import metadata
-from typing import Any
 
 from packaging.utils import canonicalize_name
 
 from vllm_gaudi_platform import compat, envs
 from vllm_gaudi_platform.commands import doctor_optional
 from vllm_gaudi_platform.commands.doctor_optional import QUANT_WHEEL
+from vllm_gaudi_platform.commands.doctor_report import EntryPointInfo, Report, Wheel
 from vllm_gaudi_platform.seam.probe import probe_device
 
 WHEEL_PREFIX = "vllm-gaudi-"
@@ -41,44 +41,6 @@ FILTERED_GROUPS = (
 # vLLM's own variables, not ours (so not in envs.py): read here exactly as vLLM 0.32 reads them.
 VLLM_PLUGINS = "VLLM_PLUGINS"
 VLLM_TARGET_DEVICE = "VLLM_TARGET_DEVICE"
-
-
-@dataclass(frozen=True)
-class EntryPointInfo:
-    group: str
-    name: str
-    value: str
-    distribution: str
-
-
-@dataclass(frozen=True)
-class Wheel:
-    name: str
-    version: str
-    entry_points: tuple[EntryPointInfo, ...] = ()
-
-
-@dataclass
-class Report:
-    wheels: list[dict[str, Any]] = field(default_factory=list)
-    entry_points: list[dict[str, Any]] = field(default_factory=list)
-    vllm_plugins: dict[str, Any] = field(default_factory=dict)
-    device: dict[str, Any] = field(default_factory=dict)
-    versions: dict[str, dict[str, Any]] = field(default_factory=dict)
-    optional: list[dict[str, Any]] = field(default_factory=list)
-    # Per quantization method: its entry point installed, would it register here, and why not.
-    quantization: list[dict[str, Any]] = field(default_factory=list)
-    # Our settings (envs.VARIABLES) in effect that differ from their defaults.
-    settings: list[dict[str, Any]] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    info: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "ok": self.ok}
 
 
 def _distributions() -> list[tuple[str, metadata.Distribution]]:

@@ -9,12 +9,9 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from importlib import metadata
-from typing import TYPE_CHECKING
 
 from vllm_gaudi_platform import envs
-
-if TYPE_CHECKING:
-    from vllm_gaudi_platform.commands.doctor import Report, Wheel
+from vllm_gaudi_platform.commands.doctor_report import Report, Wheel
 
 QUANT_WHEEL = "vllm-gaudi-quant"
 
