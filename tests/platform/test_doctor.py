@@ -192,6 +192,7 @@ def test_skip_version_check_turns_the_range_problem_into_info_saying_all_registe
 
     assert status == 0, report["problems"]
     assert [i for i in report["info"] if "vllm 0.34.0" in i and "registering anyway" in i]
+    assert report["quantization"] and all(q["registers"] for q in report["quantization"])
 
 
 def _vllm_package_with(monkeypatch, tmp_path, *files: str) -> None:

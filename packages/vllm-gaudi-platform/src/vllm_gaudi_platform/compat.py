@@ -14,6 +14,7 @@ is what an operator can act on.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from importlib import metadata
@@ -63,6 +64,7 @@ def in_releases(found: str, spec: str) -> bool:
     return Version(".".join(map(str, release))) in SpecifierSet(spec)
 
 
+@functools.cache  # every entry point asks, in every process; installed metadata does not change
 def _installed(names: tuple[str, ...]) -> tuple[str | None, str | None]:
     for name in names:
         try:

@@ -257,19 +257,21 @@ def _check_device(report: Report) -> None:
 
 
 def _check_versions(report: Report) -> None:
-    for check in (compat.check_vllm(), compat.check_torch()):
+    torch = compat.check_torch()
+    for check in (compat.check_vllm(), torch):
         report.versions[check.package] = {
             "found": check.found,
             "distribution": check.distribution,
             "supported": check.supported,
             "ok": check.ok,
         }
-        problem = check.problem()
-        if problem and check.package == "vllm":
-            problem, registers = compat.version_refusal()
-            (report.problems if not registers else report.info).append(str(problem))
-        elif problem:
-            report.problems.append(problem)
+    # vLLM's range decides registration (compat's one rule, override included); torch's does not.
+    problem, registers = compat.version_refusal()
+    report.versions["vllm"]["registers"] = registers
+    if problem:
+        (report.info if registers else report.problems).append(problem)
+    if torch_problem := torch.problem():
+        report.problems.append(torch_problem)
     if report.versions["vllm"]["found"]:
         report.versions["vllm"]["build"] = compat.vllm_build_kind()
 
@@ -305,7 +307,7 @@ def _check_quantization(report: Report, wheels: list[Wheel], allowed: list[str] 
         elif (need := QUANT_REQUIRES.get(entry_point)) and importlib.util.find_spec(need) is None:
             dep = deps[need]
             why = f"{dep.package} not installed: {dep.install}"
-        elif not report.versions.get("vllm", {}).get("ok", True):
+        elif not report.versions.get("vllm", {}).get("registers", True):
             why = "the installed vLLM is outside the supported range: nothing registers"
         elif not report.device.get("count") and report.device.get("kind") != "emulated-cpu":
             why = "no HPU device (real or emulated): nothing registers off HPU"
