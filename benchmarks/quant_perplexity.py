@@ -188,16 +188,14 @@ def _run_job(
 
 
 def _standin_env(env: dict[str, str], generation: int) -> dict[str, str]:
-    """A process whose "Gaudi" is the Habana stand-in of that generation, with the torch device
-    "hpu" neural-compressor's HPU flow needs (tests/quant/test_inc_engine.py runs the same)."""
+    """A process whose "Gaudi" is the Habana stand-in of that generation, its tensors on the
+    stand-in's torch device "hpu" (tests/quant/test_inc_engine.py runs the same)."""
     from tests.conftest import STANDIN_ENGINE_ENV
 
     out = {k: v for k, v in env.items() if k != "VLLM_HPU_EMULATION"}
     out.update({k: v for k, v in STANDIN_ENGINE_ENV.items() if v is not None})
     out["PYTHONPATH"] = os.pathsep.join([out["PYTHONPATH"], str(ROOT)])
     out.update(
-        HABANA_STANDIN_TORCH_DEVICE="1",
-        HABANA_STANDIN_MIXED_DEVICES="1",
         HABANA_STANDIN_GENERATION=str(generation),
         PT_HPU_LAZY_MODE="1",
     )

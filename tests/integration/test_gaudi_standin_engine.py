@@ -1,13 +1,14 @@
-"""Whole engines on the Gaudi backend: seam/gaudi.py over the Habana stand-in (its device is CPU
-memory; tests/habana_standin/engine/sitecustomize.py makes it the process's "Gaudi"), in lazy
-mode with HPU graphs, against the same engines in emulation: a tiny Llama, a tiny 16-expert
-Mixtral (the MoE kernel; decode steps of one or two sequences gather their routed experts), an
-FP8 compressed-tensors checkpoint (per-token activation scales, FP8 GEMM), a 4-bit checkpoint
-with an FP8 KV cache, an MXFP4 compressed-tensors checkpoint (weights dequantized per forward)
-and a tiny Mamba2 hybrid (GraniteMoeHybrid: the Mamba mixer's state slots
-and padded rows under HPU graphs). Greedy tokens must agree (near-ties allowed, as everywhere)
-and each engine must resolve the same methods. Every rule the stand-in enforces holds on these
-paths, or the Gaudi job fails.
+"""Whole engines on the Gaudi backend: seam/gaudi.py over the Habana stand-in
+(tests/habana_standin/engine/sitecustomize.py makes it the process's "Gaudi"), every weight, KV
+block, activation and index tensor on its torch device "hpu", which refuses ops mixing them with
+host tensors as a Gaudi does; in lazy mode with HPU graphs, against the same engines in
+emulation: a tiny Llama, a tiny 16-expert Mixtral (the MoE kernel; decode steps of one or two
+sequences gather their routed experts), an FP8 compressed-tensors checkpoint (per-token
+activation scales, FP8 GEMM), a 4-bit checkpoint with an FP8 KV cache, an MXFP4
+compressed-tensors checkpoint (weights dequantized per forward) and a tiny Mamba2 hybrid
+(GraniteMoeHybrid: the Mamba mixer's state slots and padded rows under HPU graphs). Greedy
+tokens must agree (near-ties allowed, as everywhere) and each engine must resolve the same
+methods. Every rule the stand-in enforces holds on these paths, or the Gaudi job fails.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ def test_the_engine_runs_on_gaudi_py_over_the_stand_in(runs, name):
     assert "error" not in gaudi, gaudi.get("error")
     assert gaudi["seam"] == "gaudi"
     assert runs["emulated"][name]["seam"] == "emulated on cpu"
+    # The Gaudi engine's weights and KV cache live on the stand-in's device, as on a Gaudi.
+    assert gaudi["devices"] == ["hpu"], gaudi["devices"]
+    assert runs["emulated"][name]["devices"] == ["cpu"]
 
 
 @pytest.mark.parametrize("name", MODELS)

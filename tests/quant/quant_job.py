@@ -38,7 +38,16 @@ def _inspect(worker) -> dict:
                 "v_scale": float(m._v_scale),
             }
     seam = worker.model_runner.seam.NAME
-    return {"linears": linears, "experts": experts, "attention": attention, "seam": seam}
+    # Where the engine's tensors live: the weights' and the KV cache's devices.
+    caches = [t for t in worker.model_runner.kv_caches if hasattr(t, "device")]
+    devices = sorted({str(t.device.type) for t in [*model.parameters(), *caches]})
+    return {
+        "linears": linears,
+        "experts": experts,
+        "attention": attention,
+        "seam": seam,
+        "devices": devices,
+    }
 
 
 def run(model: str, job: dict) -> dict:

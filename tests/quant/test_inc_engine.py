@@ -121,15 +121,10 @@ def quantized_fp8_kv(model, calibration):
 
 
 # The Gaudi flow: the same commands with seam/gaudi.py over the Habana stand-in, which plays the
-# device neural-compressor's HPU path needs (a torch device "hpu", torch.hpu, the device type);
-# the engine's own tensors stay on the CPU, so ops mixing them with neural-compressor's "hpu"
-# tensors are allowed (their results are CPU tensors). In lazy mode, with HPU graphs.
-GAUDI_INC_ENV = {
-    **STANDIN_ENGINE_ENV,
-    "HABANA_STANDIN_TORCH_DEVICE": "1",
-    "HABANA_STANDIN_MIXED_DEVICES": "1",
-    "PT_HPU_LAZY_MODE": "1",
-}
+# device neural-compressor's HPU path needs (a torch device "hpu", torch.hpu, the device type).
+# The engine's tensors and neural-compressor's live on that device; an op mixing them with CPU
+# tensors is refused. In lazy mode, with HPU graphs.
+GAUDI_INC_ENV = {**STANDIN_ENGINE_ENV, "PT_HPU_LAZY_MODE": "1"}
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,14 @@
 
 Put this directory on PYTHONPATH (with VLLM_HPU_EMULATION unset) and the interpreter imports it
 first: the stand-in becomes importable as `habana_frameworks`, so the platform's device probe
-finds a "Gaudi" and the seam resolves to `seam/gaudi.py`. The stand-in's device is CPU memory, so
-gaudi.py's device facts are pointed at the CPU (tensor device, dispatch key, collectives backend);
-everything else (kernels, runtime, HPU graphs) is gaudi.py over the stand-in.
+finds a "Gaudi" and the seam resolves to `seam/gaudi.py`, unchanged. The stand-in's torch device
+"hpu" is installed (`_torch_device.py`), so the engine's weights, KV cache, activations, index
+tensors and sampled ids live on "hpu" as on a Gaudi, and an op that mixes them with CPU tensors
+is refused as a device refuses it.
+
+One fact of gaudi.py is pointed elsewhere: its collectives backend. The stand-in has no HCCL, so
+the process group is gloo's (these engines run one device; gloo carries vLLM's host-side
+barriers and broadcasts).
 """
 
 from __future__ import annotations
@@ -17,16 +22,13 @@ if _STANDIN not in sys.path:
     sys.path.insert(0, _STANDIN)
 
 
-def _point_gaudi_at_the_cpu() -> None:
-    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.*
-    import torch
+def _install_the_standin() -> None:
+    os.environ["HABANA_STANDIN_TORCH_DEVICE"] = "1"
+    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.* and the device
 
     from vllm_gaudi_platform.seam import gaudi
 
-    gaudi.DEVICE_TYPE = "cpu"
-    gaudi.DISPATCH_KEY = "CPU"
     gaudi.DIST_BACKEND = "gloo"
-    gaudi.torch_device = lambda index=0: torch.device("cpu")
 
 
-_point_gaudi_at_the_cpu()
+_install_the_standin()

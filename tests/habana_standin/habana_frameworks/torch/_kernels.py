@@ -69,9 +69,9 @@ def _scale_over(scale: torch.Tensor | None, operand: tuple[int, ...], what: str)
     return scale.float()
 
 
-def _fp8_grid(dtype: torch.dtype, limit: float) -> torch.Tensor:
+def _fp8_grid(dtype: torch.dtype, limit: float, device: torch.device) -> torch.Tensor:
     """Every finite value of `dtype` within +-limit, ascending, in float32."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(dtype).float()
     return codes[codes.isfinite() & (codes.abs() <= limit)].unique()
 
 
@@ -93,7 +93,7 @@ def cast_to_fp8_v2(
     _require(dtype in FP8_TYPES, f"cast_to_fp8_v2: output dtype {dtype} is not FP8")
     if input.dtype in FP8_TYPES:
         _require(dtype == input.dtype and not is_amax, "cast_to_fp8_v2: FP8 input passes through")
-        return input.clone(), torch.empty(0)
+        return input.clone(), torch.empty(0, device=input.device)
     y = input.float()
     s = _scale_over(scale, tuple(input.shape), "cast_to_fp8_v2")
     if s is not None:
@@ -103,7 +103,7 @@ def cast_to_fp8_v2(
     if stochastic_rounding:
         # Fact: stochastic rounding picks one of the two FP8 values around x*scale; the stand-in
         # takes the upper one with probability by distance (values already in FP8 stay put).
-        grid = _fp8_grid(dtype, limit)
+        grid = _fp8_grid(dtype, limit, y.device)
         lower_i = (torch.searchsorted(grid, y.reshape(-1), right=True) - 1).clamp(0, len(grid) - 1)
         upper_i = (lower_i + 1).clamp(max=len(grid) - 1)
         lower, upper = grid[lower_i].view_as(y), grid[upper_i].view_as(y)
@@ -111,7 +111,7 @@ def cast_to_fp8_v2(
         p_up = torch.where(gap > 0, (y - lower) / torch.where(gap > 0, gap, 1.0), 0.0)
         y = torch.where(torch.rand_like(y) < p_up, upper, lower)
     out = y.to(dtype)
-    amax = input.abs().amax().float() if is_amax else torch.empty(0)
+    amax = input.abs().amax().float() if is_amax else torch.empty(0, device=input.device)
     return out, amax
 
 
@@ -264,7 +264,7 @@ def convert_from_uint4(
     rows = q.shape[0]
     if g_idx is None:
         _require(rows % groups == 0, f"convert_from_uint4: {rows} rows in {groups} groups")
-        group = torch.arange(rows) // (rows // groups)
+        group = torch.arange(rows, device=q.device) // (rows // groups)
     else:
         group = g_idx.long()
     w = (q - z[group]).float() * scale.float()[group]
@@ -442,7 +442,7 @@ def _moe(
             "mixture_of_experts (FP8): one 1-element intermediate scale per expert",
         )
     fp8_type = hidden_states.dtype if fp8 else None
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for slot in range(expert_routing_table.shape[1]):
         ids = expert_routing_table[:, slot]
         for e in range(local):
@@ -512,8 +512,8 @@ def _mxfp4_weight(w: torch.Tensor, scale: torch.Tensor, block: int, what: str) -
         f"bias_mxfp4_fused_weights: {what} scale {tuple(scale.shape)} for a [{rows}, {cols}] "
         f"weight in blocks of {block}",
     )
-    magnitudes = torch.tensor(_FP4_MAGNITUDES)
-    codes = torch.empty(rows, cols, dtype=torch.long)
+    magnitudes = torch.tensor(_FP4_MAGNITUDES, device=w.device)
+    codes = torch.empty(rows, cols, dtype=torch.long, device=w.device)
     codes[:, 0::2] = (w & 0xF).long()
     codes[:, 1::2] = (w >> 4).long()
     values = magnitudes[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
@@ -581,7 +581,7 @@ def mixture_of_experts_mxfp4(
             f"{experts_min}..{experts_max}",
         )
     x = hidden_states.float()
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(local):
         up = _mxfp4_weight(w12[e], d_scale_w12[e], block_size, "w12")
         down = _mxfp4_weight(w3[e], d_scale_w3[e], block_size, "w3")

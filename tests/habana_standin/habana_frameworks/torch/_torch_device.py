@@ -1,163 +1,95 @@
-"""A torch device named "hpu" whose tensors hold CPU memory, for code that moves tensors itself.
+"""The torch device "hpu": where the stand-in's tensors live, as a Gaudi's live on its device.
 
-Habana's bridge registers a torch device "hpu" when `habana_frameworks.torch` is imported, and
-neural-compressor's HPU flow relies on it: it calls `model.to("hpu")`, creates its observers with
-`device="hpu"` and asks `torch.hpu` whether a device is there. The stand-in's kernels and the
-engines that run `seam/gaudi.py` over it work on CPU tensors and need no such device, so it is
-registered only on request: `HABANA_STANDIN_TORCH_DEVICE=1` before the first import of
-`habana_frameworks.torch` (or `install()`). It is once per process and cannot be undone (torch
-renames its PrivateUse1 backend to "hpu").
+Habana's bridge registers a torch device "hpu" when `habana_frameworks.torch` is imported; vLLM's
+runner on a Gaudi, neural-compressor's HPU flow (`model.to("hpu")`, observers on "hpu",
+`torch.hpu`) and `seam/gaudi.py` all work on its tensors. The stand-in's is torch's own HPU
+device type and dispatch key, where the bridge registers its backend (`_device_backend.cpp`,
+built with torch's C++ extension tools at first use and cached): its tensors are plain
+`torch.Tensor` objects whose device is "hpu" and whose storage is host memory, so parameters, views, `data_ptr()`, `set_` and `torch.compile` behave as
+they do on a device. Every op runs as the CPU's kernel over the same bytes. The rule it enforces
+is the one every non-CPU torch device keeps: an op refuses "hpu" tensors mixed with CPU tensors
+unless the CPU operand is 0-d. `host_reads()` counts device-to-host reads (`.item()`,
+`.tolist()`, `.cpu()`, copies into CPU tensors).
 
-How: an "hpu" tensor is a wrapper around a CPU tensor. Factory functions given `device="hpu"`
-reach the PrivateUse1 kernels below; every other op on an "hpu" tensor reaches
-`HpuTensor.__torch_dispatch__`, which runs it on the CPU tensors inside and wraps the results
-again. `.cpu()` / `.to("cpu")` unwrap. What the wrapper checks, each a rule of a real device:
-- an op mixes "hpu" tensors with CPU tensors only where torch allows a CPU scalar (0-d) operand;
-  `HABANA_STANDIN_MIXED_DEVICES=1` lifts that for engines whose own tensors live on the CPU
-  (the stand-in engine points `seam/gaudi.py` at the CPU, neural-compressor moves the model it
-  patches to "hpu"): there the result of a mixed op is a CPU tensor, the engine's device;
-- `.item()` and `.tolist()` work, as a device-to-host read.
+Registered on request: `HABANA_STANDIN_TORCH_DEVICE=1` before the first import of
+`habana_frameworks.torch` (or `install()`). It is once per process and cannot be undone (a
+loaded library's registrations stay).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from typing import Any
+import sys
+from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
-
-from habana_frameworks.torch._kernels import HabanaRuleError
 
 _INSTALLED = False
-_LIBRARY: torch.library.Library | None = None
-_CPU = torch.device("cpu")
-# Ops that leave the device: their results are host tensors.
-_TO_HOST = ("_local_scalar_dense", "equal", "is_nonzero")
-# Ops that move data between the devices, and so take tensors of both.
-_COPIES = ("copy_", "_to_copy", "_copy_from", "_has_compatible_shallow_copy_type")
-
-
-def _allow_mixed() -> bool:
-    return os.environ.get("HABANA_STANDIN_MIXED_DEVICES", "0") == "1"
-
-
-def _hpu() -> torch.device:
-    return torch.device("hpu", 0)
-
-
-class HpuTensor(torch.Tensor):
-    """A tensor on the stand-in's "hpu" device: `raw` is the CPU tensor that holds its data."""
-
-    raw: torch.Tensor
-
-    @staticmethod
-    def __new__(cls, raw: torch.Tensor) -> HpuTensor:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls,
-            raw.shape,
-            strides=raw.stride(),
-            storage_offset=raw.storage_offset(),
-            dtype=raw.dtype,
-            device=_hpu(),
-            requires_grad=raw.requires_grad,
-        )
-
-    def __init__(self, raw: torch.Tensor) -> None:
-        self.raw = raw
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"{self.raw!r} (on the stand-in's hpu)"
-
-    def tolist(self):  # type: ignore[override]
-        # A device-to-host read, as on any device (torch refuses it for wrapper subclasses).
-        return self.raw.tolist()
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        mixed = _check_devices(func, args, kwargs)
-
-        def unwrap(x: Any) -> Any:
-            if isinstance(x, HpuTensor):
-                return x.raw
-            if isinstance(x, torch.device) and x.type == "hpu":
-                return _CPU
-            return x
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-        returns = func._schema.returns
-        if returns and returns[0].alias_info is not None and returns[0].alias_info.is_write:
-            return args[0]  # in place: the caller's tensor, now holding the result
-        device = kwargs.get("device")
-        if device is not None:
-            on_device = torch.device(device).type == "hpu"
-        else:
-            on_device = not mixed and func._schema.name.split("::")[-1] not in _TO_HOST
-        if not on_device:
-            return out
-        return tree_map(lambda x: HpuTensor(x) if type(x) is torch.Tensor else x, out)
-
-
-def _check_devices(func: Any, args: Any, kwargs: Any) -> bool:
-    """Whether the op mixes "hpu" tensors with CPU tensors (beyond 0-d CPU scalars); refused
-    unless HABANA_STANDIN_MIXED_DEVICES=1, where the results stay on the CPU."""
-    flat, _ = tree_flatten((args, kwargs))
-    host = [t for t in flat if type(t) is torch.Tensor and t.dim() > 0]
-    if not host or func._schema.name.split("::")[-1] in _COPIES:
-        return False
-    if _allow_mixed():
-        return True
-    raise HabanaRuleError(
-        f"{func}: tensors on hpu and cpu in one op (a cpu tensor of shape "
-        f"{tuple(host[0].shape)}); move it to the device first"
-    )
-
-
-def _raw(x: Any) -> Any:
-    return x.raw if isinstance(x, HpuTensor) else x
-
-
-def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return HpuTensor(torch.empty(size, dtype=dtype, layout=layout, device=_CPU))
-
-
-def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
-    return HpuTensor(torch.empty_strided(size, stride, dtype=dtype, layout=layout, device=_CPU))
-
-
-def _copy_from(self, dst, non_blocking=False):
-    _raw(dst).copy_(_raw(self))
-    return dst
+_SOURCE = Path(__file__).with_name("_device_backend.cpp")
+_LIBRARY = "habana_standin_device"
 
 
 def installed() -> bool:
     return _INSTALLED
 
 
+def requested() -> bool:
+    return os.environ.get("HABANA_STANDIN_TORCH_DEVICE", "0") == "1"
+
+
+def _build_directory() -> Path:
+    """Where the compiled backend is kept: keyed by its source and by torch's version, so a
+    changed source or another torch builds afresh and every process after the first loads it."""
+    key = hashlib.sha256(
+        _SOURCE.read_bytes() + torch.__version__.encode() + sys.version.encode()
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = cache / "vllm-gaudi" / "standin-device" / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load_backend() -> None:
+    from torch.utils import cpp_extension
+
+    # torch's build runs ninja from PATH: the interpreter's own environment has it.
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
+    cpp_extension.load(
+        name=_LIBRARY,
+        sources=[str(_SOURCE)],
+        is_python_module=False,
+        build_directory=str(_build_directory()),
+        extra_cflags=["-O1"],
+        verbose=False,
+    )
+
+
 def install() -> None:
     """Register torch's device "hpu" (once per process), with `torch.hpu` the stand-in's runtime
     module `habana_frameworks.torch.hpu`."""
-    global _INSTALLED, _LIBRARY
+    global _INSTALLED
     if _INSTALLED:
         return
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
     from habana_frameworks.torch import hpu
 
-    _setup_privateuseone_for_python_backend("hpu", backend_module=hpu)
-    _LIBRARY = torch.library.Library("aten", "IMPL")
-    _LIBRARY.impl("empty.memory_format", _empty, "PrivateUse1")
-    _LIBRARY.impl("empty_strided", _empty_strided, "PrivateUse1")
-    _LIBRARY.impl("_copy_from", _copy_from, "PrivateUse1")
+    _load_backend()
+    torch._register_device_module("hpu", hpu)
     _no_caching_allocator()
     _INSTALLED = True
 
 
+def host_reads() -> int:
+    """Device-to-host reads since the device was installed (0 before)."""
+    return int(torch.ops.habana_standin.host_reads()) if _INSTALLED else 0
+
+
 def _no_caching_allocator() -> None:
     """torch.accelerator's memory calls expect the device's caching allocator, which Habana's
-    bridge registers in C++ and a Python device cannot: they answer for the stand-in's device as
-    for a device with nothing cached (its tensors are CPU tensors)."""
+    bridge registers in C++ and the stand-in does not: they answer for the stand-in's device as
+    for a device with nothing cached (its allocations go straight to host memory)."""
     import torch.accelerator as accelerator
 
     accelerator.empty_cache = lambda: None
@@ -166,7 +98,7 @@ def _no_caching_allocator() -> None:
     accelerator.memory_reserved = lambda device_index=None, /: 0
     accelerator.max_memory_allocated = lambda device_index=None, /: 0
     accelerator.reset_peak_memory_stats = lambda device_index=None, /: None
-
-
-def requested() -> bool:
-    return os.environ.get("HABANA_STANDIN_TORCH_DEVICE", "0") == "1"
+    accelerator.reset_accumulated_memory_stats = lambda device_index=None, /: None
+    accelerator.max_memory_reserved = lambda device_index=None, /: 0
+    accelerator.memory_stats = lambda device_index=None, /: {}
+    accelerator.empty_host_cache = lambda: None

@@ -56,6 +56,12 @@ def current_device() -> int:
     return 0
 
 
+def _lazy_init() -> None:
+    """torch calls it before it makes the first "hpu" tensor from Python (its device lazy-init
+    for the HPU device type imports `torch.hpu` and calls this); the stand-in has nothing to
+    initialise."""
+
+
 def _is_in_bad_fork() -> bool:
     return False
 

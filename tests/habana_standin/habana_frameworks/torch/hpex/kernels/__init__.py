@@ -82,7 +82,7 @@ class FusedSDPA:
         _require(padding_side in _PADDING_SIDES, f"FusedSDPA: padding_side {padding_side!r}")
         q_len, kv_len = q.shape[-2], k.shape[-2]
         scores_shape = (*q.shape[:-1], kv_len)
-        bias = torch.zeros((), dtype=torch.float32)
+        bias = torch.zeros((), dtype=torch.float32, device=q.device)
         if valid_sequence_lengths is not None:
             _require(
                 is_causal and attn_mask is None,
@@ -97,11 +97,11 @@ class FusedSDPA:
                 valid_sequence_lengths.shape == (q.shape[0],),
                 "FusedSDPA: one valid length per batch row",
             )
-            pos = torch.arange(kv_len)
+            pos = torch.arange(kv_len, device=q.device)
             lens = valid_sequence_lengths.long().view(-1, 1)
             valid = pos >= kv_len - lens if padding_side == "left" else pos < lens
             valid = valid.view(q.shape[0], *([1] * (q.dim() - 2)), kv_len)
-            bias = bias + torch.zeros(valid.shape).masked_fill(~valid, float("-inf"))
+            bias = bias + torch.zeros(valid.shape, device=q.device).masked_fill(~valid, float("-inf"))
         if attn_mask is not None:
             _require(
                 attn_mask.dtype == q.dtype,
@@ -115,8 +115,8 @@ class FusedSDPA:
             )
             bias = bias + attn_mask.float()
         if is_causal:
-            causal = torch.ones(q_len, kv_len, dtype=torch.bool).tril()
-            bias = bias + torch.zeros(q_len, kv_len).masked_fill(~causal, float("-inf"))
+            causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril()
+            bias = bias + torch.zeros(q_len, kv_len, device=q.device).masked_fill(~causal, float("-inf"))
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = (q.float() @ k.float().transpose(-2, -1)) * scale + bias
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
