@@ -1,9 +1,10 @@
 // The stand-in's torch device "hpu": torch's own HPU device type and dispatch key, the ones
 // Habana's bridge registers its backend under, so its tensors are ordinary torch.Tensor objects
-// with device "hpu", dispatch key HPU and their own storage, as on a Gaudi. The storage's bytes are host memory, so every op runs as the CPU's kernel over
-// CPU tensors that share the device tensors' bytes (no copy), and the results come back as "hpu"
-// tensors. What is checked is the rule every non-CPU torch device keeps: an op refuses "hpu"
-// tensors mixed with CPU tensors, except CPU 0-d tensors (Python-scalar-like operands).
+// with device "hpu", dispatch key HPU and their own storage, as on a Gaudi. The storage's bytes
+// are host memory, so every op runs as the CPU's kernel over CPU tensors that share the device
+// tensors' bytes (no copy), and the results come back as "hpu" tensors. What is checked is the
+// rule every non-CPU torch device keeps: an op refuses "hpu" tensors mixed with CPU tensors,
+// except CPU 0-d tensors (Python-scalar-like operands).
 //
 // Built at first use by _torch_device.py (torch.utils.cpp_extension), loaded with
 // torch.ops.load_library: the registrations below run when the library is loaded.
@@ -27,6 +28,9 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
 #include <cstring>
 #include <sstream>
 
@@ -39,13 +43,48 @@ c10::Device device() { return c10::Device(kDevice, 0); }
 // Device-to-host reads counted since load (the host-sync count): every op that leaves a
 // value on the host from "hpu" data (.item(), .tolist(), .cpu(), a copy to a CPU tensor).
 std::atomic<int64_t> g_host_reads{0};
+std::mutex g_reads_mutex;
+std::map<std::string, int64_t> g_reads_by_op;  // the same reads, by the op that made them
+
+void count_read(const std::string& op) {
+  g_host_reads.fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_reads_mutex);
+  ++g_reads_by_op[op];
+}
+
+// Bytes of device memory in use (allocated by the device, or results adopted from a host kernel),
+// and the most ever in use since the last reset: what memory_allocated() and
+// max_memory_allocated() report.
+std::atomic<int64_t> g_in_use{0};
+std::atomic<int64_t> g_peak{0};
+
+void count(int64_t nbytes) {
+  int64_t now = g_in_use.fetch_add(nbytes) + nbytes;
+  int64_t peak = g_peak.load();
+  while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+  }
+}
+
+// What a device allocation owns: the host block and its size (given back to the count on free).
+struct Block {
+  void* data;
+  int64_t nbytes;
+};
+
+void free_block(void* ctx) {
+  auto* block = static_cast<Block*>(ctx);
+  count(-block->nbytes);
+  c10::free_cpu(block->data);
+  delete block;
+}
 
 struct HostMemoryAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     void* data = nbytes ? c10::alloc_cpu(nbytes) : nullptr;
-    return {data, data, &c10::free_cpu, device()};
+    count(static_cast<int64_t>(nbytes));
+    return {data, new Block{data, static_cast<int64_t>(nbytes)}, &free_block, device()};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &c10::free_cpu; }
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     std::memcpy(dest, src, count);
   }
@@ -94,14 +133,26 @@ at::Tensor host_view(const at::Tensor& t) {
   return alias_on(t, c10::DeviceType::CPU);
 }
 
+// A host kernel's result adopted as device memory: counted as device bytes while it lives.
+struct Adopted {
+  c10::Storage storage;
+  int64_t nbytes;
+};
+
+void release_adopted(void* ctx) {
+  auto* owner = static_cast<Adopted*>(ctx);
+  count(-owner->nbytes);
+  delete owner;
+}
+
 // A CPU result as an "hpu" tensor, without a copy: the device storage's bytes are the result's,
 // kept alive by a reference to the result's storage.
 at::Tensor to_device(const at::Tensor& result) {
   if (!result.defined() || result.device().type() == kDevice) return result;
-  auto* owner = new c10::Storage(result.storage());
-  c10::DataPtr data(owner->mutable_data(), owner,
-                    [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, device());
-  c10::Storage storage(c10::Storage::use_byte_size_t(), owner->nbytes(), std::move(data),
+  auto* owner = new Adopted{result.storage(), static_cast<int64_t>(result.storage().nbytes())};
+  count(owner->nbytes);
+  c10::DataPtr data(owner->storage.mutable_data(), owner, &release_adopted, device());
+  c10::Storage storage(c10::Storage::use_byte_size_t(), owner->nbytes, std::move(data),
                        &g_allocator, true);
   auto out = at::detail::make_tensor<c10::TensorImpl>(
       std::move(storage), c10::DispatchKeySet(c10::DispatchKey::HPU), result.dtype());
@@ -222,14 +273,14 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         value.toTensor().device().type() == kDevice && num_returns > 0 &&
         !(*stack)[ret_first].isTensor() && !(*stack)[ret_first].isTensorList()) {
       // A value read back to the host from device data (.item(), equal(), is_nonzero()).
-      g_host_reads.fetch_add(1);
+      count_read(c10::toString(schema.operator_name()));
       break;
     }
   }
 }
 
 at::Tensor& copy_between(const at::Tensor& self, const at::Tensor& dst, bool /*non_blocking*/) {
-  if (self.device().type() == kDevice && dst.device().is_cpu()) g_host_reads.fetch_add(1);
+  if (self.device().type() == kDevice && dst.device().is_cpu()) count_read("copy to host");
   host_view(dst).copy_(host_view(self));
   return const_cast<at::Tensor&>(dst);
 }
@@ -258,6 +309,16 @@ at::Tensor& set_empty(at::Tensor& self) {
 }
 
 int64_t host_reads() { return g_host_reads.load(); }
+
+std::string host_reads_by_op() {
+  std::lock_guard<std::mutex> lock(g_reads_mutex);
+  std::ostringstream out;
+  for (const auto& [op, n] : g_reads_by_op) out << op << "=" << n << "\n";
+  return out.str();
+}
+int64_t memory_allocated() { return g_in_use.load(); }
+int64_t max_memory_allocated() { return g_peak.load(); }
+void reset_peak_memory_stats() { g_peak.store(g_in_use.load()); }
 
 // One device per process (index 0) with one stream: work has completed when an op returns.
 struct DeviceGuard final : c10::impl::DeviceGuardImplInterface {
@@ -334,4 +395,8 @@ TORCH_LIBRARY_IMPL(aten, HPU, m) {
 
 TORCH_LIBRARY(habana_standin, m) {
   m.def("host_reads() -> int", host_reads);
+  m.def("host_reads_by_op() -> str", host_reads_by_op);
+  m.def("memory_allocated() -> int", memory_allocated);
+  m.def("max_memory_allocated() -> int", max_memory_allocated);
+  m.def("reset_peak_memory_stats() -> ()", reset_peak_memory_stats);
 }

@@ -1,15 +1,15 @@
 """The torch device "hpu": where the stand-in's tensors live, as a Gaudi's live on its device.
 
 Habana's bridge registers a torch device "hpu" when `habana_frameworks.torch` is imported; vLLM's
-runner on a Gaudi, neural-compressor's HPU flow (`model.to("hpu")`, observers on "hpu",
-`torch.hpu`) and `seam/gaudi.py` all work on its tensors. The stand-in's is torch's own HPU
-device type and dispatch key, where the bridge registers its backend (`_device_backend.cpp`,
-built with torch's C++ extension tools at first use and cached): its tensors are plain
-`torch.Tensor` objects whose device is "hpu" and whose storage is host memory, so parameters, views, `data_ptr()`, `set_` and `torch.compile` behave as
-they do on a device. Every op runs as the CPU's kernel over the same bytes. The rule it enforces
-is the one every non-CPU torch device keeps: an op refuses "hpu" tensors mixed with CPU tensors
-unless the CPU operand is 0-d. `host_reads()` counts device-to-host reads (`.item()`,
-`.tolist()`, `.cpu()`, copies into CPU tensors).
+runner on a Gaudi, neural-compressor's HPU flow (`model.to("hpu")`, observers on "hpu", `torch.hpu`)
+and `seam/gaudi.py` all work on its tensors. The stand-in's is torch's own HPU device type and
+dispatch key, where the bridge registers its backend (`_device_backend.cpp`, built with torch's C++
+extension tools at first use and cached): its tensors are plain `torch.Tensor` objects whose device
+is "hpu" and whose storage is host memory, so parameters, views, `data_ptr()`, `set_` and
+`torch.compile` behave as they do on a device. Every op runs as the CPU's kernel over the same
+bytes. The rule it enforces is the one every non-CPU torch device keeps: an op refuses "hpu" tensors
+mixed with CPU tensors unless the CPU operand is 0-d. `host_reads()` counts device-to-host reads
+(`.item()`, `.tolist()`, `.cpu()`, copies into CPU tensors).
 
 Registered on request: `HABANA_STANDIN_TORCH_DEVICE=1` before the first import of
 `habana_frameworks.torch` (or `install()`). It is once per process and cannot be undone (a
@@ -86,18 +86,41 @@ def host_reads() -> int:
     return int(torch.ops.habana_standin.host_reads()) if _INSTALLED else 0
 
 
+def host_reads_by_op() -> dict[str, int]:
+    """The same reads by the op that made them ("copy to host" for copies into CPU tensors)."""
+    if not _INSTALLED:
+        return {}
+    lines = str(torch.ops.habana_standin.host_reads_by_op()).splitlines()
+    return {op: int(n) for op, n in (line.rsplit("=", 1) for line in lines)}
+
+
+def memory_allocated() -> int:
+    """Bytes held by "hpu" tensors now (0 where the device is not installed)."""
+    return int(torch.ops.habana_standin.memory_allocated()) if _INSTALLED else 0
+
+
+def max_memory_allocated() -> int:
+    """The most bytes "hpu" tensors held since the last reset_peak_memory_stats()."""
+    return int(torch.ops.habana_standin.max_memory_allocated()) if _INSTALLED else 0
+
+
+def reset_peak_memory_stats() -> None:
+    if _INSTALLED:
+        torch.ops.habana_standin.reset_peak_memory_stats()
+
+
 def _no_caching_allocator() -> None:
     """torch.accelerator's memory calls expect the device's caching allocator, which Habana's
     bridge registers in C++ and the stand-in does not: they answer for the stand-in's device as
-    for a device with nothing cached (its allocations go straight to host memory)."""
+    for a device that caches nothing (its allocations go straight to host memory, counted)."""
     import torch.accelerator as accelerator
 
     accelerator.empty_cache = lambda: None
     accelerator.synchronize = lambda device=None, /: None
-    accelerator.memory_allocated = lambda device_index=None, /: 0
-    accelerator.memory_reserved = lambda device_index=None, /: 0
-    accelerator.max_memory_allocated = lambda device_index=None, /: 0
-    accelerator.reset_peak_memory_stats = lambda device_index=None, /: None
+    accelerator.memory_allocated = lambda device_index=None, /: memory_allocated()
+    accelerator.memory_reserved = lambda device_index=None, /: memory_allocated()
+    accelerator.max_memory_allocated = lambda device_index=None, /: max_memory_allocated()
+    accelerator.reset_peak_memory_stats = lambda device_index=None, /: reset_peak_memory_stats()
     accelerator.reset_accumulated_memory_stats = lambda device_index=None, /: None
     accelerator.max_memory_reserved = lambda device_index=None, /: 0
     accelerator.memory_stats = lambda device_index=None, /: {}

@@ -71,21 +71,36 @@ def manual_seed_all(seed: int) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing is cached: the stand-in's tensors are CPU tensors."""
+    """Nothing is cached: the stand-in's device allocates and frees host memory directly."""
 
 
 def mem_get_info() -> tuple[int, int]:
-    """(free, total) bytes. The stand-in allocates nothing on a device: free is the total. Its
-    memory is the CPU's, so HABANA_STANDIN_MEMORY_GB may size it below the product's HBM (an
-    engine sizes its KV cache from this)."""
+    """(free, total) bytes: total is the product's HBM, or HABANA_STANDIN_MEMORY_GB (its memory
+    is the host's, so a test sizes it below the product's: an engine sizes its KV cache from
+    this); free is what the device's tensors leave of it."""
     override = os.environ.get("HABANA_STANDIN_MEMORY_GB")
     total = int(float(override) * (1 << 30)) if override else _MEMORY_BYTES[_device.generation()]
-    return total, total
+    return max(total - memory_allocated(), 0), total
 
 
 def memory_allocated() -> int:
-    """The stand-in's tensors live in CPU memory; no device bytes are ever allocated."""
-    return 0
+    """Bytes held by tensors on the stand-in's torch device "hpu" (0 where it is not installed:
+    the kernels then run on CPU tensors, and no device byte is ever allocated)."""
+    from habana_frameworks.torch import _torch_device
+
+    return _torch_device.memory_allocated()
+
+
+def max_memory_allocated() -> int:
+    from habana_frameworks.torch import _torch_device
+
+    return _torch_device.max_memory_allocated()
+
+
+def reset_peak_memory_stats() -> None:
+    from habana_frameworks.torch import _torch_device
+
+    _torch_device.reset_peak_memory_stats()
 
 
 def synchronize() -> None:
@@ -206,8 +221,10 @@ __all__ = [
     "is_available",
     "is_initialized",
     "manual_seed_all",
+    "max_memory_allocated",
     "mem_get_info",
     "memory_allocated",
+    "reset_peak_memory_stats",
     "set_device",
     "stream",
     "synchronize",

@@ -101,7 +101,9 @@ class FusedSDPA:
             lens = valid_sequence_lengths.long().view(-1, 1)
             valid = pos >= kv_len - lens if padding_side == "left" else pos < lens
             valid = valid.view(q.shape[0], *([1] * (q.dim() - 2)), kv_len)
-            bias = bias + torch.zeros(valid.shape, device=q.device).masked_fill(~valid, float("-inf"))
+            bias = bias + torch.zeros(valid.shape, device=q.device).masked_fill(
+                ~valid, float("-inf")
+            )
         if attn_mask is not None:
             _require(
                 attn_mask.dtype == q.dtype,
@@ -116,7 +118,9 @@ class FusedSDPA:
             bias = bias + attn_mask.float()
         if is_causal:
             causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril()
-            bias = bias + torch.zeros(q_len, kv_len, device=q.device).masked_fill(~causal, float("-inf"))
+            bias = bias + torch.zeros(q_len, kv_len, device=q.device).masked_fill(
+                ~causal, float("-inf")
+            )
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         scores = (q.float() @ k.float().transpose(-2, -1)) * scale + bias
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
