@@ -38,7 +38,8 @@ def run(model: str) -> dict:
     def stats() -> dict:
         return llm.collective_rpc("get_recompile_stats")[0]
 
-    out: dict = {"before": generate(), "awake": report(), "stats_before": stats()}
+    seam = llm.collective_rpc(lambda worker: worker.model_runner.seam.NAME)[0]
+    out: dict = {"seam": seam, "before": generate(), "awake": report(), "stats_before": stats()}
     for level in (1, 2):
         out[f"level{level}_before"] = report()
         llm.sleep(level=level)

@@ -2,9 +2,10 @@
 (lora_job.py): two PEFT adapters of different ranks and the base model in the same batches give
 the greedy tokens of transformers on the merged weights (base + lora_alpha / r * B @ A), within the
 top-5 rule; adapters are unloaded and loaded back at run time; no shape runs after warmup that
-warmup did not run (buckets and LoRA kernel shapes). Then the same through `vllm serve`
-(--enable-lora, --lora-modules, an adapter loaded and later unloaded over HTTP at run time), with
-n-gram speculative decoding on the same server."""
+warmup did not run (buckets and LoRA kernel shapes). Then the same through `vllm serve` on the
+Gaudi backend over the Habana stand-in, its tensors on the stand-in's "hpu" device (--enable-lora,
+--lora-modules, an adapter loaded and later unloaded over HTTP at run time), with n-gram
+speculative decoding on the same server."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from gaudi_testkit import tinymodels
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration import lora_adapters, openai_server
 from tests.integration.generation import (
     ENGINE,
@@ -136,7 +138,8 @@ def test_no_recompiles_after_warmup_with_lora(run):
 
 
 # --- the same adapters through `vllm serve` -------------------------------------------------------
-# One server: --enable-lora with adapter "alpha" named by --lora-modules at start-up, "beta" loaded
+# One server, on the Gaudi backend over the Habana stand-in (device tensors, mixed ops refused):
+# --enable-lora with adapter "alpha" named by --lora-modules at start-up, "beta" loaded
 # at run time through POST /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING), and requests
 # for alpha, beta and the base model sent at once, so the server batches them together; at the
 # end beta is unloaded through POST /v1/unload_lora_adapter. The server also speculates (n-gram):
@@ -153,6 +156,14 @@ def lora_server(models, clean_env, tmp_path_factory) -> Iterator[httpx.Client]:
     args += ["--speculative-config", json.dumps(NGRAM)]
     env = openai_server.server_env(clean_env())
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if not REAL_GAUDI_SOFTWARE:
+        # The served engine is a Gaudi's: gaudi.py over the Habana stand-in, its tensors on the
+        # stand-in's "hpu" device (the offline job above runs the emulation).
+        for name, value in STANDIN_ENGINE_ENV.items():
+            if value is None:
+                env.pop(name, None)
+            else:
+                env[name] = value
     log = tmp_path_factory.mktemp("serve-lora") / "server.log"
     with (
         openai_server.running(args, env, log) as base,

@@ -1,7 +1,9 @@
-"""Sleep mode on the HPU platform (CPU emulation): levels 1 and 2 release the weights' and the KV
-cache's device memory, wake_up restores them (per tag), greedy outputs after waking equal the
-outputs before sleeping, and the run after waking meets no shape that warmup did not run. One
-engine process runs the whole sequence (sleep_job.py)."""
+"""Sleep mode on the HPU platform: levels 1 and 2 release the weights' and the KV cache's device
+memory, wake_up restores them (per tag), greedy outputs after waking equal the outputs before
+sleeping, and the run after waking meets no shape that warmup did not run. One engine process
+runs the whole sequence (sleep_job.py), in CPU emulation and on seam/gaudi.py over the Habana
+stand-in, whose torch device "hpu" counts the bytes its tensors hold (host and device are two
+memories there, as on a Gaudi)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gaudi_testkit import tinymodels
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration.generation import job_result, run_job
 
 pytestmark = pytest.mark.engine
@@ -17,14 +20,19 @@ pytestmark = pytest.mark.engine
 JOB = Path(__file__).with_name("sleep_job.py")
 
 
-# The job runs the HPU platform in CPU emulation, where host and device memory are one.
-EMULATED_HOST_IS_DEVICE = True
-
-
-@pytest.fixture(scope="module")
-def run() -> dict:
+@pytest.fixture(scope="module", params=["emulated", "gaudi"])
+def run(request) -> dict:
+    env: dict[str, str | None] = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # the seam's name
+    if request.param == "gaudi":
+        if REAL_GAUDI_SOFTWARE:
+            pytest.skip("the stand-in does not load beside a real Gaudi stack")
+        env.update(STANDIN_ENGINE_ENV, PT_HPU_LAZY_MODE="1")
     model = str(tinymodels.build("llama"))
-    return job_result(run_job(JOB, model), "sleep job")
+    result = job_result(run_job(JOB, model, env), f"sleep job ({request.param})")
+    # In emulation host and device memory are one; on the stand-in they are two, as on a Gaudi.
+    result["host_is_device"] = request.param == "emulated"
+    assert result["seam"] == ("gaudi" if request.param == "gaudi" else "emulated on cpu")
+    return result
 
 
 def test_awake_worker_holds_weights_and_kv_cache(run):
@@ -46,7 +54,7 @@ def test_the_device_counts_the_memory_sleep_released(run, level):
     awake, asleep = run[f"level{level}_before"], run[f"level{level}_asleep"]
     released = awake["device_allocated"] - asleep["device_allocated"]
     expected = awake["kv_cache_bytes"]
-    if level == 2 or not EMULATED_HOST_IS_DEVICE:
+    if level == 2 or not run["host_is_device"]:
         # Level 2 discards the weights and buffers; level 1 keeps a host copy, which in
         # emulation is the same memory as the "device".
         expected += awake["weights_bytes"] + awake["buffer_bytes"]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 
-from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention import host_tables, step_layout
 
 T = TypeVar("T")
 # Largest total of per-step masks kept for the later layers of a step (HPUAttentionMetadata.
@@ -305,7 +305,7 @@ class HPUAttentionMetadataBuilder(AttentionMetadataBuilder[HPUAttentionMetadata]
         self, cm: CommonAttentionMetadata, layout: step_layout.StepLayout, seq_lens: list[int]
     ) -> torch.Tensor:
         """The block ids the step's paged attention reads, per request (host tensor)."""
-        return cm.block_table_tensor[: cm.num_reqs].cpu()
+        return host_tables.host_rows(cm.block_table_tensor, cm.num_reqs)
 
     def state_slots(self, cm: CommonAttentionMetadata, seq_lens: list[int]) -> list[int] | None:
         """Each request's state slot, for state-space layers (None: attention layers)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 
-from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention import host_tables, step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadataBuilder
 
 
@@ -46,7 +46,7 @@ class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
         return torch.zeros(cm.num_reqs, width, dtype=torch.int32)
 
     def state_slots(self, cm: CommonAttentionMetadata, seq_lens: list[int]) -> list[int]:
-        table = cm.block_table_tensor[: cm.num_reqs]
+        table = host_tables.host_rows(cm.block_table_tensor, cm.num_reqs)
         if self.slot_tokens is None:
             return table[:, 0].tolist()
         # vLLM copied each request's state into this block before the step (state_copies.py).
