@@ -165,6 +165,12 @@ UPSTREAM: tuple[Upstream, ...] = (
         keywords=("device", "pin_memory"),
     ),
     Upstream(
+        f"{RUNNER}._gather_mm_embeddings",
+        "HPUModelRunner moves the placeholder mask it returns to the device",
+        params=("scheduler_output", "shift_computed_tokens"),
+        mentions=("is_mm_embed",),
+    ),
+    Upstream(
         f"{RUNNER}._prepare_mm_inputs",
         "runner/warmup.py step_inputs: a multimodal step's inputs, as serving hands them",
         params=("num_tokens",),

@@ -37,7 +37,7 @@ from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention import host_tables, step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.observability import metrics as hpu_metrics
@@ -229,6 +229,14 @@ class HPUModelRunner(GPUModelRunner):
         with vision.one_item_per_pass():  # an image's encoder shapes depend on its size only
             return super()._execute_mm_encoder(*args, **kwargs)
 
+    def _gather_mm_embeddings(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM builds the step's placeholder mask on the host and lets the embedding merge index a
+        # device tensor with it (torch takes host indices for CUDA tensors). Whether the bridge's
+        # index_put takes them is not established (the stand-in refuses it); Intel's plugin copies
+        # the mask to the device, and so do we (a host-to-device copy, no sync).
+        embeds, is_mm_embed = super()._gather_mm_embeddings(*args, **kwargs)
+        return embeds, is_mm_embed.to(self.device, non_blocking=True)
+
     def get_model(self) -> torch.nn.Module:
         return self.model
 
@@ -241,6 +249,7 @@ class HPUModelRunner(GPUModelRunner):
     # ------------------------------------------------------------------ bucketed execution
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self._planning = True
+        host_tables.share(self.input_batch.block_table.block_tables)
         try:
             with cuda_streams_on_seam():
                 return super().execute_model(scheduler_output, intermediate_tensors)
