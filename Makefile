@@ -72,3 +72,4 @@ bench: setup ## benchmarks, side by side ratios
 	$(PY) benchmarks/ops.py
 	$(PY) benchmarks/e2e_emulation.py
 	$(PY) benchmarks/host_overhead.py
+	$(PY) benchmarks/host_syncs.py
