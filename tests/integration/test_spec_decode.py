@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration import eagle_drafts, mtp_drafts
 from tests.integration.generation import ENGINE, job_result, run_job
 from vllm_gaudi_platform.commands import demo_model
@@ -39,38 +40,72 @@ HEADS = ("eagle", "eagle3")
 DRAFTERS = ("ngram", *HEADS, "mtp")
 
 
-@pytest.fixture(scope="module")
-def result() -> dict:
+def spec_job(drafters: tuple[str, ...]) -> dict:
+    """The job: the plain run, then one run per drafter, on the same prompts."""
     from transformers import AutoTokenizer
 
     model = str(demo_model.build(progress=False))
     tokenizer = AutoTokenizer.from_pretrained(model)
-    job = {
+    configs = {
+        "ngram": {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2,
+        },
+        **{
+            method: {
+                "method": method,
+                "model": str(eagle_drafts.build(method)),
+                "num_speculative_tokens": K,
+            }
+            for method in HEADS
+            if method in drafters
+        },
+        "mtp": {"method": "mtp", "num_speculative_tokens": K},
+    }
+    return {
         "model": model,
         "prompts": [tokenizer(t)["input_ids"] for t in TEXTS],
         "max_tokens": MAX_TOKENS,
         "engine": ENGINE,
-        "speculative_configs": {
-            "ngram": {
-                "method": "ngram",
-                "num_speculative_tokens": K,
-                "prompt_lookup_max": 3,
-                "prompt_lookup_min": 2,
-            },
-            **{
-                method: {
-                    "method": method,
-                    "model": str(eagle_drafts.build(method)),
-                    "num_speculative_tokens": K,
-                }
-                for method in HEADS
-            },
-            "mtp": {"method": "mtp", "num_speculative_tokens": K},
-        },
-        "targets": {"mtp": str(mtp_drafts.build())},
+        "speculative_configs": {name: configs[name] for name in drafters},
+        "targets": {"mtp": str(mtp_drafts.build())} if "mtp" in drafters else {},
         "random_prompts": RANDOM_PROMPTS,
     }
-    return job_result(run_job(JOB, json.dumps(job)), "speculative decoding job")
+
+
+@pytest.fixture(scope="module")
+def result() -> dict:
+    return job_result(run_job(JOB, json.dumps(spec_job(DRAFTERS))), "speculative decoding job")
+
+
+# EAGLE on the Gaudi backend: gaudi.py over the Habana stand-in, the target's and the draft
+# head's tensors on its torch device "hpu" (mixed host/device ops refused), HPU graphs in lazy
+# mode. The n-gram drafter runs there in the served LoRA engine (test_lora.py).
+@pytest.fixture(scope="module")
+def on_gaudi() -> dict:
+    if REAL_GAUDI_SOFTWARE:
+        pytest.skip("the stand-in does not load beside a real Gaudi stack (the tests run there)")
+    env = {**STANDIN_ENGINE_ENV, "PT_HPU_LAZY_MODE": "1"}
+    job = json.dumps(spec_job(("eagle",)))
+    return job_result(run_job(JOB, job, env), "speculative decoding job on gaudi.py")
+
+
+def test_eagle_on_gaudi_py_gives_the_emulations_tokens_and_accepts_drafts(on_gaudi, result):
+    assert on_gaudi["runs"]["eagle"]["stats"]["seam"] == "gaudi"
+    assert on_gaudi["runs"]["eagle"]["stats"]["kv_cache_devices"] == ["hpu"]
+    assert on_gaudi["plain"] == result["plain"]
+    assert on_gaudi["runs"]["eagle"]["spec"] == result["plain"]
+    metrics = on_gaudi["runs"]["eagle"]["metrics"]
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert (
+        metrics["vllm:spec_decode_num_accepted_tokens"]
+        <= (metrics["vllm:spec_decode_num_draft_tokens"])
+    )
+    stats = on_gaudi["runs"]["eagle"]["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["bucket_hits"].get("verify", 0) > 0, stats["bucket_hits"]
 
 
 def test_plain_run_generates_every_token(result):

@@ -212,6 +212,8 @@ class HPUWorker(Worker):
         """Warmup time and recompile count, for tests, logs and collective_rpc callers."""
         runner = self.model_runner
         return {
+            "seam": runner.seam.NAME,  # "gaudi" (seam/gaudi.py) or "emulated on cpu"
+            "kv_cache_devices": sorted({str(kv.device.type) for kv in self._kv_cache_tensors()}),
             "recompiles": runner.recompiles.count,
             "async_scheduling": runner.use_async_scheduling,
             "unwarmed_buckets": list(runner.recompiles.seen),
