@@ -3,7 +3,8 @@
 block, activation and index tensor on its torch device "hpu", which refuses ops mixing them with
 host tensors as a Gaudi does; in lazy mode with HPU graphs, against the same engines in
 emulation: a tiny Llama, a tiny 16-expert Mixtral (the MoE kernel; decode steps of one or two
-sequences gather their routed experts), an FP8 compressed-tensors checkpoint (per-token
+sequences gather their routed experts), a tiny DeepSeek-V3 (MLA, sigmoid grouped top-k routing
+with a correction bias, a shared expert), an FP8 compressed-tensors checkpoint (per-token
 activation scales, FP8 GEMM), a 4-bit checkpoint with an FP8 KV cache, an MXFP4
 compressed-tensors checkpoint (weights dequantized per forward) and a tiny Mamba2 hybrid
 (GraniteMoeHybrid: the Mamba mixer's state slots and padded rows under HPU graphs). Greedy
@@ -43,6 +44,7 @@ LOGPROB_TOLERANCE = 1e-4
 MODELS = (
     "llama",
     "mixtral-16",
+    "deepseek-v3",
     "ct-fp8-dynamic",
     "ct-wna16-kv-fp8",
     "ct-mxfp4",
@@ -60,7 +62,8 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
         )
     from gaudi_testkit import tinymodels
 
-    paths = {name: tinymodels.build(name) for name in ("llama", "mixtral-16", "granitemoehybrid")}
+    built = ("llama", "mixtral-16", "deepseek-v3", "granitemoehybrid")
+    paths = {name: tinymodels.build(name) for name in built}
     for fmt in ("ct-fp8-dynamic", "ct-wna16-kv-fp8"):
         out = tmp_path_factory.mktemp(fmt)
         qdir, _ = checkpoints.write(

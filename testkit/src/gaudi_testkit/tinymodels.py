@@ -157,6 +157,36 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "moe_intermediate_size": 64,
         },
     ),
+    # DeepSeek-V3's routing and MLA shape: sigmoid expert scores, selection by score plus a
+    # correction bias (random here, so selection and weights disagree where a Gaudi kernel could
+    # confuse them) within the best 2 of 4 groups (a group scored by its top two), the selected
+    # scores normalized and scaled by routed_scaling_factor, one shared expert; MLA with a
+    # 32 + 16 split of the query/key head and interleaved rotary. transformers' DeepseekV3Config
+    # hard-codes sigmoid scoring: the checkpoint's config.json must say scoring_func and
+    # topk_method as DeepSeek's own do, or vLLM routes by softmax (its default) on every backend.
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 64,
+            "kv_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "v_head_dim": 32,
+            "rope_interleave": True,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        },
+    ),
     # gpt-oss: attention sinks (one learned logit per head), layer 0 attending a 40-token window
     # and layer 1 globally, biased q/k/v/o projections, YaRN rotary (factor 4 over 256
     # positions), and MoE layers of four biased experts (top 2) with the clamped swigluoai gate.
@@ -272,6 +302,9 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 # exercise them.
 # name -> std.
 RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0, "qwen2": 0.25}
+# Models whose MoE router carries a score correction bias (a saved buffer, zeros at
+# initialization): name -> standard deviation of the random bias written there.
+ROUTER_BIASES: dict[str, float] = {"deepseek-v3": 0.1}
 
 # Models whose attention would not decide a single greedy token at transformers' initialization:
 # Gemma 2 scales its (tied) embeddings by sqrt(hidden_size) and norms each block's output, so the
@@ -351,6 +384,8 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
         recipe.append(RANDOM_BIASES[name])
     if name in BLOCK_OUTPUT_GAIN:
         recipe.append({"block_output_gain": BLOCK_OUTPUT_GAIN[name]})
+    if name in ROUTER_BIASES:
+        recipe.append({"router_bias": ROUTER_BIASES[name]})
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
     path = (root or cache_root()) / f"tiny-{name}-{key}"
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
@@ -375,6 +410,11 @@ def build(name: str = "llama", *, seed: int = 0, root: Path | None = None) -> Pa
             for param_name, param in model.named_parameters():
                 if "post_attention_layernorm" in param_name or "post_feedforward" in param_name:
                     param.fill_(BLOCK_OUTPUT_GAIN[name] - 1.0)
+    if name in ROUTER_BIASES:
+        with torch.no_grad():
+            for buffer_name, buffer in model.named_buffers():
+                if buffer_name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, ROUTER_BIASES[name])
     model.save_pretrained(tmp, safe_serialization=True)
     _build_tokenizer(tmp)
     with contextlib.suppress(OSError):  # another process built it first
