@@ -9,7 +9,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_gaudi_platform import config_checks, envs
+from vllm_gaudi_platform import config_checks, envs, quant_hooks
 from vllm_gaudi_platform.attention.cache_dtypes import (
     HPU_KV_CACHE_DTYPES,
     VLLM_UINT8_FP8_CACHE_DTYPES,
@@ -323,9 +323,8 @@ class HpuPlatform(Platform):
             )
             cache_config.cache_dtype = "fp8_inc"
         # A quantization method may refuse settings it cannot run, before any engine starts.
-        check_quant = getattr(vllm_config.quant_config, "hpu_check_vllm_config", None)
-        if check_quant is not None:
-            check_quant(vllm_config)
+        if isinstance(vllm_config.quant_config, quant_hooks.ChecksVllmConfig):
+            vllm_config.quant_config.hpu_check_vllm_config(vllm_config)
         from vllm_gaudi_platform.runner.spec_decode import check_speculative_config
 
         check_speculative_config(vllm_config.speculative_config)

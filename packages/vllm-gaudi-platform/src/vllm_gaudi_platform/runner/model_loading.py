@@ -14,7 +14,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform import envs, quant_hooks
 from vllm_gaudi_platform.runner import compiled, hpu_graphs, hybrid, spec_decode, vision
 from vllm_gaudi_platform.runner.compiled import compile_wanted
 
@@ -33,10 +33,11 @@ def load(runner: Any, model: torch.nn.Module | None) -> None:
         # through the platform's punica wrapper (runner/lora.py, PunicaWrapperHPU).
         runner.model = runner.load_lora_model(runner.model, runner.vllm_config, runner.device)
     # A quantization method may transform the loaded model before warmup (INC FP8 patches its
-    # layers for measurement or FP8). Duck-typed: the platform never imports a quant wheel.
-    after_load = getattr(runner.vllm_config.quant_config, "hpu_after_load_model", None)
-    if after_load is not None:
-        runner.model = after_load(runner.model)
+    # layers for measurement or FP8). The hook is declared in quant_hooks.py: the platform never
+    # imports a quant wheel.
+    quant_config = runner.vllm_config.quant_config
+    if isinstance(quant_config, quant_hooks.TransformsLoadedModel):
+        runner.model = quant_config.hpu_after_load_model(runner.model)
     if hasattr(runner, "drafter"):
         runner.drafter.load_model(runner.model)
         if runner.use_aux_hidden_state_outputs:

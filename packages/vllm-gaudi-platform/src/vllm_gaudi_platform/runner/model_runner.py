@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 from vllm.v1.utils import CpuGpuBuffer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform import envs, quant_hooks
 from vllm_gaudi_platform.attention import host_tables, step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
@@ -242,9 +242,11 @@ class HPUModelRunner(GPUModelRunner):
 
     def finalize_calibration(self) -> None:
         """Let the quantization method write what it measured (INC MEASURE mode); idempotent."""
-        finalize = getattr(self.vllm_config.quant_config, "hpu_finalize_calibration", None)
-        if finalize is not None and getattr(self, "model", None) is not None:
-            finalize(self.model)
+        quant_config = self.vllm_config.quant_config
+        if isinstance(quant_config, quant_hooks.FinalizesCalibration) and (
+            getattr(self, "model", None) is not None
+        ):
+            quant_config.hpu_finalize_calibration(self.model)
 
     # ------------------------------------------------------------------ bucketed execution
     def execute_model(self, scheduler_output, intermediate_tensors=None):

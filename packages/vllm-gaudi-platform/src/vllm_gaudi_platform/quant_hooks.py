@@ -1,0 +1,42 @@
+"""The hooks a quantization method may offer the HPU platform: the declared interface.
+
+A quantization config (vLLM's `QuantizationConfig` subclass, registered by vllm-gaudi-quant or by
+any other plugin) may define any of these methods; the platform calls each one the config has,
+at the point named, and never imports a quantization wheel. Each is a Protocol of one method, so
+a config offers the hooks it needs and `isinstance(config, Hook)` tells whether it has one.
+tests/quant/test_quant_hooks.py checks every config of the quant wheel against them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class ChecksVllmConfig(Protocol):
+    """Called by `HpuPlatform.check_and_update_config`, before any engine starts: refuse settings
+    the method cannot run (raise with the setting and the fix), or adjust them."""
+
+    def hpu_check_vllm_config(self, vllm_config: Any) -> None: ...
+
+
+@runtime_checkable
+class TransformsLoadedModel(Protocol):
+    """Called once the model is loaded (LoRA layers in place), before warmup: returns the model
+    the runner serves (INC FP8 patches its layers for measurement or FP8 here)."""
+
+    def hpu_after_load_model(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+
+@runtime_checkable
+class FinalizesCalibration(Protocol):
+    """Called by `HPUModelRunner.finalize_calibration` (the worker's shutdown and the
+    `vllm-gaudi calibrate` command): write what the method measured; idempotent."""
+
+    def hpu_finalize_calibration(self, model: torch.nn.Module) -> None: ...
+
+
+HOOKS = (ChecksVllmConfig, TransformsLoadedModel, FinalizesCalibration)
