@@ -179,33 +179,39 @@ def house_map() -> dict[str, set[str]]:
     found = MAP_BLOCK.search(text)
     assert found, "CONTRIBUTING.md has no house map between <!-- house-map --> markers"
     listed: dict[str, set[str]] = {}
-    root = None
+    root = folder = None
     for line in found.group(1).splitlines():
         if not line.strip():
             continue
-        if not line.startswith(" "):
-            root = line.split()[0]
+        depth = len(line) - len(line.lstrip(" "))
+        head = line.strip().split("  ")[0].strip()
+        if depth == 0:
+            root, folder = line.split()[0], None
             listed[root] = set()
-        elif line.startswith("  ") and not line.startswith("   ") and root is not None:
-            head = line.split("  ")[1].strip()
-            for entry in head.split(", "):
-                listed[root].add(entry.strip())
+        elif depth == 2 and root is not None:
+            listed[root].update(entry.strip() for entry in head.split(", "))
+            folder = head if head.endswith("/") else None
+        elif depth == 4 and folder is not None and root is not None:
+            # A module of the folder above: listed as "folder/module.py".
+            listed[root].update(folder + entry.strip() for entry in head.split(", "))
     return listed
 
 
-def test_the_house_map_lists_every_package_folder_and_top_level_module():
+def test_the_house_map_lists_every_package_folder_and_module_at_every_level():
     listed = house_map()
     missing = []
     for src in SOURCES:
         package = src.relative_to(ROOT).as_posix() + "/"
         assert package in listed, f"the map has no section for {package}"
-        for child in sorted(src.iterdir()):
-            if child.name.startswith(("_", ".")) and child.name != "__init__.py":
-                continue
+        for child in sorted(src.rglob("*")):
+            rel = child.relative_to(src).as_posix()
+            if any(part.startswith(("_", ".")) for part in rel.split("/")):
+                if child.name != "__init__.py" or "/" in rel:
+                    continue  # a sub-package's __init__ is its folder's entry
             if child.is_dir() and (child / "__init__.py").exists():
-                entry = f"{child.name}/"
+                entry = f"{rel}/"
             elif child.suffix == ".py":
-                entry = child.name
+                entry = rel
             else:
                 continue
             if entry not in listed[package]:
