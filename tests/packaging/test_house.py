@@ -205,9 +205,9 @@ def test_the_house_map_lists_every_package_folder_and_module_at_every_level():
         assert package in listed, f"the map has no section for {package}"
         for child in sorted(src.rglob("*")):
             rel = child.relative_to(src).as_posix()
-            if any(part.startswith(("_", ".")) for part in rel.split("/")):
-                if child.name != "__init__.py" or "/" in rel:
-                    continue  # a sub-package's __init__ is its folder's entry
+            hidden = any(part.startswith(("_", ".")) for part in rel.split("/"))
+            if hidden and (child.name != "__init__.py" or "/" in rel):
+                continue  # a sub-package's __init__ is its folder's entry
             if child.is_dir() and (child / "__init__.py").exists():
                 entry = f"{rel}/"
             elif child.suffix == ".py":
