@@ -236,7 +236,9 @@ def _proxy(args: argparse.Namespace) -> int:
         return 2
     proxy = importlib.import_module("vllm_gaudi_connectors.proxy")
     try:
-        return proxy.serve(args.prefill, args.decode, args.port, args.host, args.timeout)
+        return proxy.serve(
+            args.prefill, args.decode, args.port, args.host, args.timeout, args.api_key
+        )
     except ValueError as exc:  # a bad --prefill/--decode list: one line
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +258,19 @@ def _add_proxy(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill", required=True, help="prefill URLs, comma-separated")
     parser.add_argument("--decode", required=True, help="decode URLs, comma-separated")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: this machine only; 0.0.0.0 for every interface)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=(
+            "refuse requests without 'Authorization: Bearer <key>' (default: VLLM_API_KEY, as "
+            "vllm serve reads it); the client's header goes on to the instances"
+        ),
+    )
     parser.add_argument(
         "--timeout",
         type=float,
