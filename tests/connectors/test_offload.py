@@ -301,6 +301,11 @@ def engines(tmp_path_factory) -> dict[str, dict]:
         "engine": {**fp8, "kv_transfer_config": _offloading(64 << 20)},
     }
     jobs["fp8-reference"] = {**jobs["host-memory"], "engine": {**fp8, **BIG_CACHE}}
+    # vLLM's own flag alone (--kv-offloading-size, GiB): the platform points it at the HPU spec.
+    jobs["vllm-flag"] = {
+        **jobs["host-memory"],
+        "engine": {**SMALL_CACHE, "kv_offloading_size": (64 << 20) / (1 << 30)},
+    }
     # One engine after another in one process: 300 s each, as the other multi-engine jobs allow
     # (at the start of a run the NIXL deployments' servers load both cores; 600 s for all of
     # them ran out on a 2-core machine, with every engine still making progress).
@@ -322,8 +327,10 @@ def _delta(result: dict, name: str) -> float:
 
 
 @pytest.mark.engine
-def test_an_evicted_prefix_comes_back_from_host_memory(engines):
-    result = engines["host-memory"]
+@pytest.mark.parametrize("job", ["host-memory", "vllm-flag"])
+def test_an_evicted_prefix_comes_back_from_host_memory(engines, job):
+    # "vllm-flag": vLLM's --kv-offloading-size alone, no kv_transfer_config.
+    result = engines[job]
     assert _delta(result, "vllm:prefix_cache_hits") == 0  # gone from the device cache
     assert _delta(result, "vllm:external_prefix_cache_hits") == PREFIX_BLOCKS * 128
     assert _delta(result, "vllm:kv_offload_load_bytes") == PREFIX_BLOCKS * BLOCK_BYTES
@@ -346,7 +353,7 @@ def test_an_fp8_kv_cache_is_offloaded_and_loaded_back_byte_for_byte(engines):
 
 @pytest.mark.engine
 @pytest.mark.parametrize(
-    "name", ["host-memory", "host-full", "file-tier", "file-tier-restart", "abort"]
+    "name", ["host-memory", "vllm-flag", "host-full", "file-tier", "file-tier-restart", "abort"]
 )
 def test_offloaded_serving_generates_what_transformers_does(engines, name):
     reference = {"file-tier-restart": "reference-restart", "abort": "reference-abort"}
@@ -401,3 +408,85 @@ def test_a_request_aborted_mid_load_frees_everything_once_the_load_lands(engines
     # The aborted load and the same prefix served again beside it, both from host memory.
     assert after["vllm:external_prefix_cache_hits"] == 2 * PREFIX_BLOCKS * 128
     assert after["vllm:kv_offload_load_bytes"] == 2 * PREFIX_BLOCKS * BLOCK_BYTES
+
+
+# vLLM's own ways to ask for offloading, as the platform's config check rewrites them.
+def _config(size=None, backend="native", transfer=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(kv_offloading_size=size, kv_offloading_backend=backend),
+        kv_transfer_config=transfer,
+    )
+
+
+@pytest.fixture
+def offload_registered(monkeypatch):
+    """The factory as the hpu_offload entry point leaves it in every vLLM process on the HPU
+    (the entry point itself registers nothing off the HPU platform, which this process is)."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from vllm_gaudi_connectors import OFFLOAD_SPECS
+
+    monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
+    for name, module, cls in OFFLOAD_SPECS:
+        if name not in OffloadingSpecFactory._registry:
+            OffloadingSpecFactory.register_spec(name, module, cls)
+
+
+@pytest.mark.parametrize(
+    ("named", "expected"),
+    [
+        (None, "HpuCPUOffloadingSpec"),
+        ("CPUOffloadingSpec", "HpuCPUOffloadingSpec"),
+        ("TieringOffloadingSpec", "HpuTieringOffloadingSpec"),
+        ("HpuTieringOffloadingSpec", "HpuTieringOffloadingSpec"),
+    ],
+)
+def test_vllms_offloading_specs_run_as_the_hpus(offload_registered, named, expected):
+    from vllm.config import KVTransferConfig
+
+    from vllm_gaudi_platform import config_checks
+
+    extra = {"spec_name": named} if named else {}
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+    )
+    config = _config(transfer=transfer)
+    config_checks.hpu_offloading_specs(config)
+    assert config.kv_transfer_config.kv_connector_extra_config["spec_name"] == expected
+
+
+def test_the_offloading_flag_alone_gets_the_hpu_spec(offload_registered):
+    from vllm_gaudi_platform import config_checks
+
+    config = _config(size=0.25)
+    config_checks.hpu_offloading_specs(config)
+    extra = config.kv_transfer_config.kv_connector_extra_config
+    assert extra["spec_name"] == "HpuCPUOffloadingSpec"
+
+
+def test_the_offloading_flag_without_the_hpu_spec_is_refused_naming_the_fix(monkeypatch):
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from vllm_gaudi_platform import config_checks
+
+    registry = {k: v for k, v in OffloadingSpecFactory._registry.items() if "Hpu" not in k}
+    monkeypatch.setattr(OffloadingSpecFactory, "_registry", registry)
+    with pytest.raises(ValueError, match="pip install vllm-gaudi-connectors") as refused:
+        config_checks.hpu_offloading_specs(_config(size=0.25))
+    assert "kv_offloading_size=0.25" in str(refused.value)
+    assert "hpu_offload" in str(refused.value)
+
+
+def test_other_connectors_and_backends_are_left_alone():
+    from vllm.config import KVTransferConfig
+
+    from vllm_gaudi_platform import config_checks
+
+    nixl = KVTransferConfig(kv_connector="HpuNixlConnector", kv_role="kv_producer")
+    for config in (_config(), _config(size=1.0, backend="lmcache"), _config(transfer=nixl)):
+        before = config.kv_transfer_config
+        config_checks.hpu_offloading_specs(config)
+        assert config.kv_transfer_config is before
+    assert "spec_name" not in nixl.kv_connector_extra_config

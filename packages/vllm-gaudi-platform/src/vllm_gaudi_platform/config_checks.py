@@ -128,3 +128,53 @@ def check_compile_settings(vllm_config: VllmConfig) -> None:
             "turns off: unset TORCHDYNAMO_DISABLE, set PT_HPU_LAZY_MODE=1 for HPU graphs, or "
             "pass enforce_eager=True."
         )
+
+
+# vLLM's KV offloading to host memory: `kv_offloading_size` (`--kv-offloading-size`, "native"
+# backend), from which vLLM makes an OffloadingConnector config after the platform's check
+# (VllmConfig._post_init_kv_transfer_config), or an OffloadingConnector named in
+# `kv_transfer_config`. vLLM's own specs refuse every device but CUDA and XPU; on the HPU each
+# is the connectors wheel's counterpart (same settings).
+OFFLOADING_SPECS = {
+    "CPUOffloadingSpec": "HpuCPUOffloadingSpec",
+    "TieringOffloadingSpec": "HpuTieringOffloadingSpec",
+}
+
+
+def hpu_offloading_specs(vllm_config: VllmConfig) -> None:
+    """Point vLLM's KV offloading (its flag, or its connector with one of its own specs) at the
+    HPU's specs, refusing where they are not installed."""
+    cache_config = vllm_config.cache_config
+    flag = cache_config.kv_offloading_size is not None
+    if flag and cache_config.kv_offloading_backend != "native":
+        return
+    transfer = vllm_config.kv_transfer_config
+    if not flag and (transfer is None or transfer.kv_connector != "OffloadingConnector"):
+        return
+    import vllm.envs as vllm_envs
+
+    if flag and vllm_envs.VLLM_USE_SIMPLE_KV_OFFLOAD:
+        raise ValueError(
+            "VLLM_USE_SIMPLE_KV_OFFLOAD=1 picks vLLM's SimpleCPUOffloadConnector, which does not "
+            "run on the HPU: unset it, and kv_offloading_size offloads through "
+            "HpuCPUOffloadingSpec (vllm-gaudi-connectors)."
+        )
+    from vllm.config import KVTransferConfig
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    if transfer is None:
+        transfer = vllm_config.kv_transfer_config = KVTransferConfig()
+    extra = transfer.kv_connector_extra_config
+    requested = extra.get("spec_name", "CPUOffloadingSpec")
+    spec = OFFLOADING_SPECS.get(requested)
+    if spec is None:  # a spec of the connectors wheel, or another plugin's: as named
+        return
+    if spec not in OffloadingSpecFactory._registry:
+        setting = f"kv_offloading_size={cache_config.kv_offloading_size}" if flag else requested
+        raise ValueError(
+            f"{setting}: KV offloading on the HPU runs through {spec}, which the hpu_offload "
+            "plugin registers: pip install vllm-gaudi-connectors, and keep hpu_offload in "
+            "VLLM_PLUGINS if it is set."
+        )
+    logger.info("KV offloading: %s runs as %s on the HPU.", requested, spec)
+    extra["spec_name"] = spec

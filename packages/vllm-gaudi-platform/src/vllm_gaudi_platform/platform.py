@@ -359,6 +359,7 @@ class HpuPlatform(Platform):
             ray_cluster.prepare(parallel_config, emulated=bool(_seam.IS_EMULATED))
         config_checks.check_bucketing(vllm_config)
         config_checks.whole_images_for_mm_prefix(vllm_config)
+        config_checks.hpu_offloading_specs(vllm_config)
 
         model_config = vllm_config.model_config
         if model_config is not None and config_checks.float16_runs_in_bfloat16(model_config):
