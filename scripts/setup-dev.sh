@@ -45,6 +45,15 @@ fi
 # --inexact: keep the CPU engine, which the lock does not list, across re-syncs.
 uv sync --frozen --inexact --all-packages --group dev --extra inc --extra nixl --extra ray --python python3
 
+# vLLM's router (the connectors wheel's router extra), exactly as locked, in a venv of its own
+# under the dev venv: it runs as a process of its own (tests/connectors/test_router.py), and its
+# web stack (fastapi, uvicorn) would move the CPU engine's.
+router_reqs="$VENV/router-requirements.txt"
+uv export --frozen --package vllm-gaudi-connectors --extra router --no-default-groups \
+  --no-emit-workspace --no-hashes --no-header --output-file "$router_reqs" >/dev/null
+[ -x "$VENV/router/bin/python" ] || uv venv --quiet --python python3 "$VENV/router"
+uv pip sync --quiet --python "$VENV/router/bin/python" "$router_reqs"
+
 # The CPU engine is not part of the lock: on Gaudi, torch and vLLM come from Intel's image, so no
 # member may depend on them. It goes into the same venv beside the locked packages.
 # --no-config: the root pyproject's override that keeps the nixl extra from pulling PyPI's torch

@@ -220,6 +220,54 @@ def start_proxy(prefill: list[str], decode: list[str], log_dir: Path, timeout: f
 FATAL_LOG_LINES = ("Exception in thread nixl_handshake_listener",)
 
 
+# vLLM's router (the connectors wheel's router extra), which scripts/setup-dev.sh installs into a
+# venv of its own inside the dev venv.
+ROUTER = Path(sys.prefix) / "router" / "bin" / "vllm-router"
+ROUTER_HEALTH_INTERVAL_S = 1
+ROUTER_HEALTH_FAILURES = 2
+
+
+def start_router(prefill: list[str], decode: list[str], log_dir: Path, name: str) -> Server:
+    """vLLM's router in its prefill/decode mode with the NIXL protocol (a prefill request for one
+    token with `kv_transfer_params.do_remote_decode`, then the decode request with the answer's
+    `kv_transfer_params`): round robin, an instance health check every second."""
+    if not ROUTER.exists():
+        raise RuntimeError(f"{ROUTER} is missing: run `make setup` (scripts/setup-dev.sh)")
+    port = free_port()
+    args = [str(ROUTER), "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    for url in prefill:
+        args += ["--prefill", url]
+    for url in decode:
+        args += ["--decode", url]
+    args += [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-port",
+        str(free_port()),
+        "--policy",
+        "round_robin",
+        "--health-check-interval-secs",
+        str(ROUTER_HEALTH_INTERVAL_S),
+        "--health-failure-threshold",
+        str(ROUTER_HEALTH_FAILURES),
+        "--request-timeout-secs",
+        "120",
+    ]
+    log = log_dir / f"{name}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=base_env(),
+            start_new_session=True,
+        )
+    return Server(name, proc, f"http://127.0.0.1:{port}", log)
+
+
 def _fatal_line(server: Server) -> str | None:
     try:
         text = server.log.read_text(errors="replace")
