@@ -56,6 +56,9 @@ FAILED = "vllm:nixl_num_failed_transfers_total"
 STAGED = "vllm:hpu_kv_staged_bytes_total"
 USAGE = "vllm:kv_cache_usage_perc"
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
+RUNNING = "vllm:num_requests_running"
+GENERATED = "vllm:generation_tokens_total"
+LONG_ANSWER = 800  # tokens asked of the answer a client leaves after its first chunk
 
 
 def _random_tokens(rng: random.Random, n: int) -> list[int]:
@@ -374,6 +377,45 @@ def test_prefill_frees_blocks_no_decode_reads_after_the_lease(deployment):
     # Freed once the lease runs out, with no decode instance reading them.
     cluster.metric_reaches(prefill.url, USAGE, lambda usage: usage == 0, within=LEASE_S + 20)
     cluster.metric_reaches(prefill.url, EXPIRED, lambda count: count == expired + 1, within=5)
+
+
+def test_an_oversize_prompt_gets_the_instances_own_400_through_the_proxy(deployment):
+    # A client's mistake reads as one: the prefill instance's status and message, not an outage,
+    # and neither instance holds a block for it.
+    answer = _complete(deployment.proxy.url, _random_tokens(random.Random(4), 1100))
+
+    assert answer.status_code == 400, answer.text
+    assert "1100" in answer.text  # vLLM names the prompt's length
+    for server in (deployment.prefill, deployment.decode):
+        cluster.metric_reaches(server.url, USAGE, lambda usage: usage == 0, within=5)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_no_block_held(deployment):
+    """A streamed answer through the proxy, dropped by its client after the first chunk: the
+    proxy closes its decode request, the decode instance aborts it, and every block on both
+    instances is free again (the prefill instance's once the decode instance read them)."""
+    decode = deployment.decode
+    generated = cluster.metric_sum(decode.url, GENERATED)
+    body = {
+        "model": "m",
+        "prompt": _random_tokens(random.Random(5), 200),
+        "max_tokens": LONG_ANSWER,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(trust_env=False, timeout=60) as client,
+        client.stream("POST", deployment.proxy.url + "/v1/completions", json=body) as stream,
+    ):
+        assert stream.status_code == 200
+        first = next(stream.iter_bytes())
+        assert first.startswith(b"data:"), first
+    cluster.metric_reaches(decode.url, RUNNING, lambda running: running == 0, within=30)
+    for server in (deployment.prefill, decode):
+        cluster.metric_reaches(server.url, USAGE, lambda usage: usage == 0, within=LEASE_S + 20)
+    # Stopped, not run to its end: the decode instance generated far fewer than it was asked.
+    assert cluster.settled_metric(decode.url, GENERATED) - generated < LONG_ANSWER / 2
 
 
 def test_handshake_with_another_cache_dtype_and_block_size_is_refused_naming_both(deployment):
