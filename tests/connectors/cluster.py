@@ -171,6 +171,14 @@ def start_vllm(
     if kv_config is not None:
         args += ["--kv-transfer-config", kv_config]
     args += extra_args or []
+    return _spawn(name, args, log_dir, port, env)
+
+
+def _spawn(
+    name: str, args: list[str], log_dir: Path, port: int, env: dict[str, str] | None = None
+) -> Server:
+    """`args` in a process group of its own, logging to `<log_dir>/<name>.log`, serving on
+    127.0.0.1:`port`."""
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -186,7 +194,6 @@ def start_vllm(
 
 def start_proxy(prefill: list[str], decode: list[str], log_dir: Path, timeout: float) -> Server:
     port = free_port()
-    log = log_dir / "proxy.log"
     args = [
         sys.executable,
         "-m",
@@ -203,16 +210,7 @@ def start_proxy(prefill: list[str], decode: list[str], log_dir: Path, timeout: f
         "--timeout",
         str(timeout),
     ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=base_env(),
-            start_new_session=True,
-        )
-    return Server("proxy", proc, f"http://127.0.0.1:{port}", log)
+    return _spawn("proxy", args, log_dir, port)
 
 
 # A server that logs one of these never becomes ready: vLLM's engine waits forever for its NIXL
@@ -255,17 +253,7 @@ def start_router(prefill: list[str], decode: list[str], log_dir: Path, name: str
         "--request-timeout-secs",
         "120",
     ]
-    log = log_dir / f"{name}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=base_env(),
-            start_new_session=True,
-        )
-    return Server(name, proc, f"http://127.0.0.1:{port}", log)
+    return _spawn(name, args, log_dir, port)
 
 
 def _fatal_line(server: Server) -> str | None:
