@@ -317,6 +317,19 @@ def test_missing_ray_is_info_naming_the_platform_extra(capsys, emulation, monkey
     assert status == 0 and not [p for p in report["problems"] if "ray" in p]
 
 
+def test_the_router_line_names_the_connectors_extra(capsys, emulation):
+    _, report = doctor_json(capsys)
+
+    [router] = [o for o in report["optional"] if o["package"] == "vllm-router"]
+    assert router["wheel"] == "vllm-gaudi-connectors"
+    [line] = [line for line in report["info"] if line.startswith("vllm-router ")]
+    if router["installed"]:
+        assert "router in front of prefill and decode instances" in line
+    else:  # the dev venv keeps the router in a venv of its own (scripts/setup-dev.sh)
+        assert "vllm-gaudi-connectors[router]" in line
+    assert not [p for p in report["problems"] if "router" in p]
+
+
 def test_missing_optional_dependency_is_info_not_a_problem(capsys, emulation, monkeypatch):
     platform = [w for w in doctor.installed_wheels() if w.name == "vllm-gaudi-platform"]
     quant = doctor.Wheel("vllm-gaudi-quant", platform[0].version)

@@ -1,6 +1,7 @@
 """`vllm-gaudi doctor`'s checks of the packages a wheel can use but does not require (Ray,
-neural-compressor, NIXL with its UCX backend) and of torchvision beside torch: each adds to the
-report's `optional`, `info` and `problems` (commands/doctor.py builds and prints the report)."""
+neural-compressor, NIXL with its UCX backend, vLLM's router) and of torchvision beside torch:
+each adds to the report's `optional`, `info` and `problems` (commands/doctor.py builds and prints
+the report)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ OPTIONAL_DEPENDENCIES: dict[str, tuple[OptionalDependency, ...]] = {
             ("nixl",),
             "pip install 'vllm-gaudi-connectors[nixl]'",
             "the NIXL KV connector (disaggregated prefill/decode)",
+        ),
+        OptionalDependency(
+            "vllm-router",
+            "vllm_router",
+            ("vllm-router",),
+            "pip install 'vllm-gaudi-connectors[router]' (or wherever the router runs)",
+            "vLLM's router in front of prefill and decode instances, from this environment",
         ),
     ),
 }
