@@ -1,7 +1,7 @@
-"""The platform's side of models with Mamba2 state layers (runner/hybrid.py, attention/state.py):
-prompts never share a prefill row, each row and decode cell names its request's state slot,
-attention layers' metadata carries no slots, and a state layer without an HPU implementation is
-refused by name."""
+"""The platform's side of models with Mamba2 state layers (runner/hybrid.py,
+attention/mamba_state.py): prompts never share a prefill row, each row and decode cell names its
+request's state slot, attention layers' metadata carries no slots, and a state layer without an
+HPU implementation is refused by name."""
 
 from __future__ import annotations
 

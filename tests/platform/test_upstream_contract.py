@@ -23,7 +23,7 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    accelerator answers them and nothing is patched. Can go when vLLM asks the platform
    (`current_platform.synchronize()` / `empty_cache()`) instead of torch.accelerator, or when
    torch.accelerator accepts the CPU as an accelerator.
-2. `torch.Event`, `torch.cuda.{Event, Stream, current_stream, stream}` (streams.py,
+2. `torch.Event`, `torch.cuda.{Event, Stream, current_stream, stream}` (cuda_streams.py,
    `cuda_streams_on_seam`), routed to the seam's streams and events only while
    `GPUModelRunner.__init__`, `execute_model` and `sample_tokens` run. Why: the constructor creates
    CUDA events and streams, and under async scheduling every step records an event after its
@@ -506,15 +506,15 @@ UPSTREAM: tuple[Upstream, ...] = (
         )
     ),
     # Mamba prefix caching ("align"): vLLM's runner describes state copies by address and
-    # launches this kernel (state_copies.py stands in for it; hybrid.py states the mode).
+    # launches this kernel (mamba_state_copies.py stands in for it; hybrid.py states the mode).
     Upstream(
         "vllm.v1.worker.mamba_utils:batch_memcpy_kernel",
-        "state_copies.batch_memcpy stands in for it, by name",
+        "mamba_state_copies.batch_memcpy stands in for it, by name",
         params=("src_ptrs", "dst_ptrs", "sizes", "BLOCK_SIZE"),
     ),
     Upstream(
         "vllm.v1.worker.mamba_utils:do_mamba_copy_block",
-        "the align-mode copies reach state_copies.batch_memcpy through it",
+        "the align-mode copies reach mamba_state_copies.batch_memcpy through it",
         mentions=("batch_memcpy",),
     ),
     Upstream(
@@ -605,11 +605,11 @@ UPSTREAM: tuple[Upstream, ...] = (
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
     Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),
     Upstream("torch:accelerator.synchronize", "platform.py routes it to the seam (emulation)"),
-    Upstream("torch:Event", "streams.py routes it to the seam (cuda_streams_on_seam)"),
-    Upstream("torch:cuda.Stream", "streams.py routes it to the seam"),
-    Upstream("torch:cuda.Event", "streams.py routes it to the seam (drops `blocking`)"),
-    Upstream("torch:cuda.current_stream", "streams.py routes it to the seam"),
-    Upstream("torch:cuda.stream", "streams.py routes it to the seam"),
+    Upstream("torch:Event", "cuda_streams.py routes it to the seam (cuda_streams_on_seam)"),
+    Upstream("torch:cuda.Stream", "cuda_streams.py routes it to the seam"),
+    Upstream("torch:cuda.Event", "cuda_streams.py routes it to the seam (drops `blocking`)"),
+    Upstream("torch:cuda.current_stream", "cuda_streams.py routes it to the seam"),
+    Upstream("torch:cuda.stream", "cuda_streams.py routes it to the seam"),
     Upstream(
         "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput.__init__",
         "HPUModelRunner.sample_tokens: under async scheduling this copies the sampled tokens on a "
@@ -1026,12 +1026,12 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         frozenset({"block_table", "state_slots"}),
     ),
     Overriding(
-        f"{P}.attention.state:HPUStateMetadataBuilder",
+        f"{P}.attention.mamba_state:HPUStateMetadataBuilder",
         "vllm.v1.attention.backend:AttentionMetadataBuilder",
         frozenset({"block_table", "state_slots"}),
     ),
     Overriding(
-        f"{P}.attention.state:HPUMamba2Backend", "vllm.v1.attention.backend:AttentionBackend"
+        f"{P}.attention.mamba_state:HPUMamba2Backend", "vllm.v1.attention.backend:AttentionBackend"
     ),
     Overriding(
         "vllm_gaudi_ops.families.mamba:HpuMambaMixer2",
@@ -1314,10 +1314,10 @@ def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
 
 
 def test_mamba_memcpy_stand_in_takes_the_kernels_parameters_by_name():
-    from vllm_gaudi_platform.runner import state_copies
+    from vllm_gaudi_platform.runner import mamba_state_copies
 
     expected = parameter_names(resolve("vllm.v1.worker.mamba_utils:batch_memcpy_kernel"))
-    [stand_in] = state_copies.KERNELS.values()
+    [stand_in] = mamba_state_copies.KERNELS.values()
 
     assert parameter_names(stand_in) == expected
 

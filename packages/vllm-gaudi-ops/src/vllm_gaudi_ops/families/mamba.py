@@ -33,7 +33,7 @@ class HpuMambaMixer2(MambaMixer2):
     """vLLM's Mamba2 mixer with the conv + SSM step on padded rows and state slots."""
 
     def get_attn_backend(self):  # type: ignore[no-untyped-def]
-        from vllm_gaudi_platform.attention.state import HPUMamba2Backend
+        from vllm_gaudi_platform.attention.mamba_state import HPUMamba2Backend
 
         return HPUMamba2Backend
 

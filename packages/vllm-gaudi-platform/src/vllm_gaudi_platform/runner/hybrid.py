@@ -36,9 +36,9 @@ def check_vllm_config(vllm_config: Any) -> bool:
     """The platform's config check for Mamba hybrids (before any engine starts): True for one.
 
     With prefix caching, Mamba state is cached at block boundaries (vLLM's mamba_cache_mode
-    "align"): the scheduler ends prefill chunks there, vLLM's runner copies a request's state
-    into the block of its last token before each step (`state_copies.py`) and the HPU mixer reads
-    and writes that block (`attention/state.py`). Speculative decoding is refused (a request's
+    "align"): the scheduler ends prefill chunks there, vLLM's runner copies a request's state into
+    the block of its last token before each step (`mamba_state_copies.py`) and the HPU mixer reads
+    and writes that block (`attention/mamba_state.py`). Speculative decoding is refused (a request's
     state would advance past its rejected draft tokens)."""
     model_config = vllm_config.model_config
     if not is_mamba_hybrid(model_config):
@@ -95,7 +95,7 @@ def check_state_layers(model: Any) -> None:
     own would run CUDA (Triton) kernels on their first step."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
-    from vllm_gaudi_platform.attention.state import HPUMamba2Backend
+    from vllm_gaudi_platform.attention.mamba_state import HPUMamba2Backend
 
     missing = sorted(
         {

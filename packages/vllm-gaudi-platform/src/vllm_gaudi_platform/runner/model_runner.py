@@ -11,7 +11,7 @@ bucketed step, data-parallel agreement and the HPU graph replay. Beside it in `r
   the drafter, the unquantized linears routed to the seam, the compiled model);
 - `warmup.py`: the warmup driver (`warmup_model`, one bucket's run and forward pass, progress log);
 - `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
-- `streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
+- `cuda_streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
 - `mixed_steps.py`: a step run as several forward passes (mixed prefill + decode, or prompt rows
   in groups);
 - `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
@@ -47,17 +47,17 @@ from vllm_gaudi_platform.runner import (
     data_parallel,
     hpu_graphs,
     hybrid,
+    mamba_state_copies,
     mixed_steps,
     model_loading,
     spec_decode,
-    state_copies,
     vision,
     warmup,
 )
 from vllm_gaudi_platform.runner import lora as hpu_lora
+from vllm_gaudi_platform.runner.cuda_streams import cuda_streams_on_seam
 from vllm_gaudi_platform.runner.recompiles import RecompileTracker
 from vllm_gaudi_platform.runner.rng import RewindableGenerator
-from vllm_gaudi_platform.runner.streams import cuda_streams_on_seam
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
@@ -189,7 +189,7 @@ class HPUModelRunner(GPUModelRunner):
         sched = self.scheduler_config
         self.has_state_layers = hybrid.has_state_layers(self)
         if self.has_state_layers and self.cache_config.mamba_cache_mode == "align":
-            state_copies.register_regions(hybrid.state_tensors(self))
+            mamba_state_copies.register_regions(hybrid.state_tensors(self))
         plan = plan_from_env(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -407,14 +407,14 @@ def register() -> None:
         return
     from vllm.triton_utils.dispatcher import register_kernels
 
-    from vllm_gaudi_platform.runner import state_copies
+    from vllm_gaudi_platform.runner import mamba_state_copies
 
     register_kernels(
         {
             "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
             **SPEC_DECODE_KERNELS,
             **EAGLE_KERNELS,
-            **state_copies.KERNELS,  # Mamba prefix caching's state copies
+            **mamba_state_copies.KERNELS,  # Mamba prefix caching's state copies
         }
     )
     _registered = True

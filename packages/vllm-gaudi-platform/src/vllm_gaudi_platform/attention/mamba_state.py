@@ -49,7 +49,7 @@ class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
         table = host_tables.host_rows(cm.block_table_tensor, cm.num_reqs)
         if self.slot_tokens is None:
             return table[:, 0].tolist()
-        # vLLM copied each request's state into this block before the step (state_copies.py).
+        # vLLM copied each request's state into this block before the step (mamba_state_copies.py).
         columns = [max(s - 1, 0) // self.slot_tokens for s in seq_lens]
         index = torch.tensor(columns, dtype=torch.int64, device=table.device).unsqueeze(1)
         return table.gather(1, index)[:, 0].tolist()

@@ -1,5 +1,5 @@
 """The platform's stand-in for vLLM's Triton `batch_memcpy_kernel` (Mamba prefix caching's state
-copies, `runner/state_copies.py`): copies by address within the registered KV-cache memory,
+copies, `runner/mamba_state_copies.py`): copies by address within the registered KV-cache memory,
 byte for byte, and refuses an address outside it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_gaudi_platform.runner import state_copies
+from vllm_gaudi_platform.runner import mamba_state_copies
 
 BLOCKS, PAGE = 6, 64  # bytes per page: a conv state of 24 bytes, then an SSM state of 40
 
@@ -23,13 +23,13 @@ def _states() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def test_state_blocks_copy_by_address_and_nothing_else_changes():
     raw, conv, ssm = _states()
-    state_copies.register_regions([conv, ssm])
+    mamba_state_copies.register_regions([conv, ssm])
     before = raw.clone()
     src = torch.tensor([conv[1].data_ptr(), ssm[1].data_ptr()], dtype=torch.uint64)
     dst = torch.tensor([conv[4].data_ptr(), ssm[4].data_ptr()], dtype=torch.uint64)
     sizes = torch.tensor([24, 40], dtype=torch.int32)
 
-    state_copies.batch_memcpy(src, dst, sizes)
+    mamba_state_copies.batch_memcpy(src, dst, sizes)
 
     pages, old = raw.view(BLOCKS, PAGE), before.view(BLOCKS, PAGE)
     assert torch.equal(pages[4], old[1])
@@ -39,16 +39,16 @@ def test_state_blocks_copy_by_address_and_nothing_else_changes():
 
 def test_an_address_outside_the_registered_memory_is_refused():
     _, conv, ssm = _states()
-    state_copies.register_regions([conv, ssm])
+    mamba_state_copies.register_regions([conv, ssm])
     elsewhere = torch.zeros(64, dtype=torch.uint8)
     src = torch.tensor([elsewhere.data_ptr()], dtype=torch.uint64)
     dst = torch.tensor([conv[0].data_ptr()], dtype=torch.uint64)
     with pytest.raises(RuntimeError, match="not inside the registered KV-cache memory"):
-        state_copies.batch_memcpy(src, dst, torch.tensor([24], dtype=torch.int32))
+        mamba_state_copies.batch_memcpy(src, dst, torch.tensor([24], dtype=torch.int32))
     # A copy running past the end of the memory is refused too.
     end = torch.tensor([conv[BLOCKS - 1].data_ptr()], dtype=torch.uint64)
     with pytest.raises(RuntimeError, match="not inside"):
-        state_copies.batch_memcpy(end, dst, torch.tensor([PAGE + 1], dtype=torch.int32))
+        mamba_state_copies.batch_memcpy(end, dst, torch.tensor([PAGE + 1], dtype=torch.int32))
 
 
 def test_vllm_routes_its_memcpy_kernel_to_the_stand_in(emulated):
@@ -58,7 +58,7 @@ def test_vllm_routes_its_memcpy_kernel_to_the_stand_in(emulated):
 
     triton_overrides.register()
     _, conv, ssm = _states()
-    state_copies.register_regions([conv, ssm])
+    mamba_state_copies.register_regions([conv, ssm])
     src = torch.tensor([ssm[2].data_ptr()], dtype=torch.uint64)
     dst = torch.tensor([ssm[3].data_ptr()], dtype=torch.uint64)
     mamba_utils.batch_memcpy(src, dst, torch.tensor([40], dtype=torch.int32))
