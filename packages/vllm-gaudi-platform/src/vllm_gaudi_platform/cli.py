@@ -83,6 +83,36 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=_demo)
 
 
+def _selftest(args: argparse.Namespace) -> int:
+    from vllm_gaudi_platform.commands import selftest
+
+    return selftest.run(json_path=args.json, engine=not args.no_engine)
+
+
+def _add_selftest(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "selftest",
+        help="check this machine's port: every kernel, the unknowns, timings, an engine",
+        description=(
+            "On the active backend (a Gaudi; CPU emulation when there is none): every seam "
+            "kernel against its reference on the same inputs at the test suite's tolerances; a "
+            "probe per device behaviour the project could not establish without hardware, with "
+            "the default of ours each observation confirms or contradicts; timings our defaults "
+            "rest on, as ratios, and device memory figures; the demo's model generating through "
+            "the platform, its perplexity against transformers' on the host. No pytest, no "
+            "downloads. Exit status 1 when a kernel disagrees with its reference (named on the "
+            "screen) or the engine check fails."
+        ),
+    )
+    parser.add_argument(
+        "--json", metavar="FILE", default=None, help="write the report (attach it to an issue)"
+    )
+    parser.add_argument(
+        "--no-engine", action="store_true", help="skip the end-to-end generation (quicker)"
+    )
+    parser.set_defaults(run=_selftest)
+
+
 CALIBRATE_MISSING = (
     "vllm-gaudi calibrate needs the vllm-gaudi-quant wheel with neural-compressor (INC FP8): "
     "pip install 'vllm-gaudi-quant[inc]'"
@@ -287,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_doctor(subparsers)
     _add_demo(subparsers)
+    _add_selftest(subparsers)
     _add_calibrate(subparsers)
     _add_proxy(subparsers)
     _add_buckets(subparsers)

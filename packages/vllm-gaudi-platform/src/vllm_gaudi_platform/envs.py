@@ -119,6 +119,16 @@ VLLM_MOE_GATHER_MAX_TOKENS = _declare(
     "weights' format).",
     kind="int",
 )
+VLLM_HPU_SELFTEST_REPORT = _declare(
+    "VLLM_HPU_SELFTEST_REPORT",
+    None,
+    "A report written by `vllm-gaudi selftest --json FILE` on this machine: the platform takes "
+    "the defaults its probes decided (today VLLM_MOE_GATHER_MAX_TOKENS, from whether the MoE "
+    "kernel skips experts that receive no token). An explicit setting wins over the report; "
+    "`vllm-gaudi doctor` says which default came from where. A missing or foreign file is an "
+    "error naming this variable (selftest_defaults.py reads it).",
+    kind="path",
+)
 VLLM_HPU_VISION_WARMUP = _declare(
     "VLLM_HPU_VISION_WARMUP",
     None,

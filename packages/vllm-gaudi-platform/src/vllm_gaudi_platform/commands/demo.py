@@ -15,6 +15,14 @@ import os
 # Held-out windows for the perplexity figure: 16 x 128 tokens keeps the demo quick.
 PERPLEXITY_WINDOWS = 16
 PERPLEXITY_WINDOW_TOKENS = 128
+# The demo's engine (`vllm-gaudi selftest` starts the same one).
+ENGINE_ARGS = {
+    "max_model_len": 512,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "kv_cache_memory_bytes": 64 << 20,
+    "seed": 0,
+}
 
 
 def run(*, max_tokens: int = 16, model: str | None = None) -> int:
@@ -39,15 +47,7 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
         )
         return 1
     dtype = "float32" if current_platform.is_emulated() else "bfloat16"
-    llm = LLM(
-        model=path,
-        dtype=dtype,
-        max_model_len=512,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        kv_cache_memory_bytes=64 << 20,
-        seed=0,
-    )
+    llm = LLM(model=path, dtype=dtype, **ENGINE_ARGS)
     try:
         _generate(llm, path, dtype, max_tokens, scored_perplexity=model is None)
     finally:
@@ -59,7 +59,6 @@ def run(*, max_tokens: int = 16, model: str | None = None) -> int:
 
 def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity: bool) -> None:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
     from vllm.platforms import current_platform
 
     from vllm_gaudi_platform.commands import demo_model
@@ -75,15 +74,7 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
         print(f"  {out.prompt!r} -> {out.outputs[0].text!r}")
 
     if scored_perplexity:
-        windows = demo_model.heldout_windows(path, PERPLEXITY_WINDOWS, PERPLEXITY_WINDOW_TOKENS)
-        scored = llm.generate(
-            [TokensPrompt(prompt_token_ids=w) for w in windows],
-            SamplingParams(max_tokens=1, prompt_logprobs=0),
-            use_tqdm=False,
-        )
-        hpu = demo_model.perplexity(demo_model.vllm_logprobs(scored))
-        reference = demo_model.perplexity(demo_model.transformers_logprobs(path, windows))
-        tokens = sum(len(w) - 1 for w in windows)
+        hpu, reference, tokens = heldout_perplexity(llm, path)
         print(
             f"Held-out perplexity ({tokens} tokens): HPU platform ({dtype}) {hpu:.3f}, "
             f"transformers (float32) {reference:.3f}, ratio {hpu / reference:.5f}"
@@ -102,3 +93,24 @@ def _generate(llm, path: str, dtype: str, max_tokens: int, *, scored_perplexity:
         )
     elif stats.get("graphs_enabled"):
         print(f"HPU graphs: {stats['num_graphs']} captured, {stats['graph_replays']} replays")
+
+
+def heldout_perplexity(
+    llm, path: str, windows: int = PERPLEXITY_WINDOWS, length: int = PERPLEXITY_WINDOW_TOKENS
+) -> tuple[float, float, int]:
+    """(perplexity through the HPU platform, transformers' float32 perplexity on the host, tokens
+    scored) of the trained model over `windows` held-out windows of `length` tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_gaudi_platform.commands import demo_model
+
+    held_out = demo_model.heldout_windows(path, windows, length)
+    scored = llm.generate(
+        [TokensPrompt(prompt_token_ids=w) for w in held_out],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    hpu = demo_model.perplexity(demo_model.vllm_logprobs(scored))
+    reference = demo_model.perplexity(demo_model.transformers_logprobs(path, held_out))
+    return hpu, reference, sum(len(w) - 1 for w in held_out)
