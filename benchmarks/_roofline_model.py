@@ -38,7 +38,7 @@ from functools import cache
 from pathlib import Path
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.runner.routed_experts import (
+from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     dequantized_gather_cost,
     gather_max_tokens,
@@ -297,7 +297,7 @@ def _decode_attention(m: Model, s: Shape, o: Options) -> list[Call]:
 
 def _experts(m: Model, t: float, prec: Precision, o: Options) -> list[Call]:
     """Router, then the fused MoE kernel over the experts handed to it (all, or the gathered
-    routed ones: runner/routed_experts.py), with W8A16's per-call dequantization."""
+    routed ones: worker/routed_experts.py), with W8A16's per-call dequantization."""
     e, k, per_expert = m.experts, m.top_k, 3 * m.hidden * m.intermediate  # w13 [2I,H], w2 [H,I]
     calls = linear(t, m.hidden, e, BF16)  # the router gate stays bf16
     cost = GATHER_COST_AS_STORED if prec.moe != "w8a16" else dequantized_gather_cost(1, ACT)
@@ -307,7 +307,7 @@ def _experts(m: Model, t: float, prec: Precision, o: Options) -> list[Call]:
     stored = prec.weight_bytes if prec.moe != "bf16" else ACT
     if gather:
         copy = 2 * n * per_expert * stored  # the gather reads the chosen experts, writes a copy
-        calls.append(Call("~gather routed experts (runner/routed_experts.py)", copy))
+        calls.append(Call("~gather routed experts (worker/routed_experts.py)", copy))
     io = ACT * t * m.hidden * 2 + 2 * ACT * t * k * 3 * m.intermediate  # tokens, intermediates
     flops = 2 * t * k * per_expert
     if prec.moe == "w8a8":

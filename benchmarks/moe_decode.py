@@ -103,7 +103,7 @@ def _kernel_bytes(layer: Any, x: torch.Tensor, logits: torch.Tensor) -> tuple[in
 def layer_rows(repeats: int) -> dict[str, Any]:
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from vllm_gaudi_platform.runner.routed_experts import (
+    from vllm_gaudi_platform.worker.routed_experts import (
         GATHER_COST_AS_STORED,
         dequantized_gather_cost,
         gather_max_tokens,
@@ -197,7 +197,7 @@ def layer_rows(repeats: int) -> dict[str, Any]:
 ENGINE_RUN = r"""
 import json, os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runs in this process
-from vllm_gaudi_platform.runner import routed_experts
+from vllm_gaudi_platform.worker import routed_experts
 from vllm_gaudi_ops.families import moe
 
 calls = {"gathered": 0, "dense": 0}

@@ -33,7 +33,7 @@ COMPUTE_LOGITS = {"present": False, "calls": 0}
 def guard_compute_logits() -> None:
     """Make every model the HPU runner loads count, then refuse, a `compute_logits` call: a
     pooling model has no LM head to run, and the runner's warmup must skip it."""
-    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 
     load_model = HPUModelRunner.load_model
 

@@ -3,7 +3,7 @@
 With prefix caching on (vLLM's default), the scheduler ends a hybrid's prefill chunks at block
 boundaries, vLLM's runner copies each request's conv and SSM states into the block of its last
 token before a step (through the platform's stand-in for its Triton memcpy,
-`runner/mamba_state_copies.py`), and the HPU mixer reads and writes that block. A later prompt that
+`worker/cuda_stand_ins/mamba_state_copies.py`), and the HPU mixer reads and writes that block. A later prompt that
 shares a prefix starts from the state cached at the prefix's last block boundary, and must still
 generate what transformers generates from scratch: a state copied from the wrong block, or not
 copied at all, changes its tokens.

@@ -14,7 +14,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from tests.ops.test_moe import _biases, _config, _layer, _routing, _weights
 from vllm_gaudi_ops.families.moe import HpuUnquantizedFusedMoEMethod
 from vllm_gaudi_platform.envs import EnvError
-from vllm_gaudi_platform.runner.routed_experts import (
+from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     dequantized_gather_cost,
     gather_max_tokens,

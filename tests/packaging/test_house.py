@@ -179,21 +179,27 @@ def house_map() -> dict[str, set[str]]:
     found = MAP_BLOCK.search(text)
     assert found, "CONTRIBUTING.md has no house map between <!-- house-map --> markers"
     listed: dict[str, set[str]] = {}
-    root = folder = None
+    root: str | None = None
+    # The folder each indent level's entries belong to ("" at the top of a wheel's package):
+    # an entry at depth 2k is a child of the folder last listed at depth 2(k-1).
+    folders: dict[int, str | None] = {}
     for line in found.group(1).splitlines():
         if not line.strip():
             continue
         depth = len(line) - len(line.lstrip(" "))
         head = line.strip().split("  ")[0].strip()
         if depth == 0:
-            root, folder = line.split()[0], None
+            root = line.split()[0]
             listed[root] = set()
-        elif depth == 2 and root is not None:
-            listed[root].update(entry.strip() for entry in head.split(", "))
-            folder = head if head.endswith("/") else None
-        elif depth == 4 and folder is not None and root is not None:
-            # A module of the folder above: listed as "folder/module.py".
-            listed[root].update(folder + entry.strip() for entry in head.split(", "))
+            folders = {0: ""}
+            continue
+        parent = folders.get(depth - 2)
+        if root is None or parent is None or depth % 2:
+            continue  # a wrapped description line, or a folder's explanation
+        listed[root].update(parent + entry.strip() for entry in head.split(", "))
+        folders[depth] = parent + head if head.endswith("/") else None
+        for deeper in [d for d in folders if d > depth]:
+            del folders[deeper]
     return listed
 
 

@@ -1,4 +1,4 @@
-"""The runner's torch.compile wrapper (runner/compiled.py) without an engine: graph breaks are
+"""The runner's torch.compile wrapper (worker/compiled.py) without an engine: graph breaks are
 caught and named by layer, compiles after warmup count as recompiles, the counts reach the
 serving metrics, and step metadata is made bucket-shaped for a compiled pass."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_gaudi_platform.observability import metrics
-from vllm_gaudi_platform.runner import compiled
+from vllm_gaudi_platform.worker import compiled
 
 
 class Scale(torch.nn.Module):
@@ -188,7 +188,7 @@ def test_eager_mode_compiles_in_the_runner_and_refuses_what_it_would_not_honour(
         run_python(COMPILE_SETTINGS, {"VLLM_HPU_EMULATION": "cpu", "PT_HPU_LAZY_MODE": "0"})
     )
 
-    # vLLM's own compile integration is off: the runner compiles (runner/compiled.py).
+    # vLLM's own compile integration is off: the runner compiles (worker/compiled.py).
     assert cases["default"] == "mode 0 dynamo-off False exported False"
     assert cases["eager"] == "mode 0 dynamo-off False exported False"
     assert cases["trace-once"].startswith("refused")

@@ -1,4 +1,4 @@
-"""Data-parallel ranks agree on one padded layout per step (runner/data_parallel.py)."""
+"""Data-parallel ranks agree on one padded layout per step (worker/data_parallel.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from tests.platform import test_attention
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
-from vllm_gaudi_platform.runner import data_parallel
+from vllm_gaudi_platform.worker import data_parallel
 
 BLOCK = test_attention.BLOCK
 
@@ -153,7 +153,7 @@ class _IdleRank:
     `maxima` (the other ranks' all-reduce), the forward pass is recorded, not run."""
 
     def __init__(self, maxima: tuple[int, ...], has_state_layers: bool = False) -> None:
-        from vllm_gaudi_platform.runner.recompiles import RecompileTracker
+        from vllm_gaudi_platform.worker.recompiles import RecompileTracker
 
         self.maxima = maxima
         self.has_state_layers = has_state_layers  # Mamba layers
@@ -175,7 +175,7 @@ class _IdleRank:
 
 
 def test_idle_rank_counts_each_padding_only_step_it_runs():
-    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 
     rank = _IdleRank((2, 32, 2, 4, 8, 0, 0))  # another rank prefills and decodes
     HPUModelRunner.execute_idle_dp_step(rank)
@@ -185,7 +185,7 @@ def test_idle_rank_counts_each_padding_only_step_it_runs():
 
 
 def test_a_padding_only_prefill_after_warmup_is_recorded_as_no_packed_row():
-    from vllm_gaudi_platform.runner.recompiles import RecompileTracker
+    from vllm_gaudi_platform.worker.recompiles import RecompileTracker
 
     tracker = RecompileTracker(strict=False)
     agreed = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), _plan())
@@ -197,7 +197,7 @@ def test_a_padding_only_prefill_after_warmup_is_recorded_as_no_packed_row():
 
 
 def test_an_idle_rank_of_a_mamba_hybrid_reads_and_writes_only_the_null_state_slot():
-    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 
     rank = _IdleRank((2, 32, 2, 4, 8, 0, 0), has_state_layers=True)
     HPUModelRunner.execute_idle_dp_step(rank)
@@ -209,7 +209,7 @@ def test_an_idle_rank_of_a_mamba_hybrid_reads_and_writes_only_the_null_state_slo
 
 
 def test_step_where_every_rank_is_idle_runs_nothing_and_is_not_counted():
-    from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+    from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 
     rank = _IdleRank(data_parallel.IDLE)
     HPUModelRunner.execute_idle_dp_step(rank)

@@ -182,7 +182,7 @@ def _attention(md, window, real, seed=0):
 def test_static_metadata_filled_from_a_step_gives_the_step_output(
     emulated, warm, step, plan, window
 ):
-    from vllm_gaudi_platform.runner.hpu_graphs import copy_metadata, static_metadata
+    from vllm_gaudi_platform.worker.hpu_graphs import copy_metadata, static_metadata
 
     step_md = _metadata(*step, plan)
     warm_md = _metadata(*warm, plan, table=torch.zeros(len(warm[0]), 4, dtype=torch.int32))
@@ -199,7 +199,7 @@ def test_static_metadata_filled_from_a_step_gives_the_step_output(
 
 
 def test_a_step_of_another_bucket_is_refused(emulated):
-    from vllm_gaudi_platform.runner.hpu_graphs import GraphStepError, copy_metadata, static_metadata
+    from vllm_gaudi_platform.worker.hpu_graphs import GraphStepError, copy_metadata, static_metadata
 
     plan = _plan(decode=[(2, 1, 4), (4, 1, 8)])
     static = static_metadata(_metadata([1, 1], [5, 5], plan))
@@ -208,7 +208,7 @@ def test_a_step_of_another_bucket_is_refused(emulated):
 
 
 def test_a_step_on_another_attention_branch_does_not_replay_the_graph(emulated):
-    from vllm_gaudi_platform.runner.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+    from vllm_gaudi_platform.worker.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
 
     plan = _plan(prompt=[(1, 16, 0)])
     one = _metadata([8], [0], plan)  # one sequence in the row: causal fast path
@@ -228,7 +228,7 @@ def test_a_packed_row_with_context_replays_the_one_sequence_graph_when_no_layer_
 ):
     # With cached context both layouts take the masked path; only window narrowing tells them
     # apart, so a runner whose model has no window keeps one graph for both.
-    from vllm_gaudi_platform.runner.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+    from vllm_gaudi_platform.worker.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
 
     plan = _plan(prompt=[(1, 16, 4)])
     one = _metadata([8], [30], plan)
@@ -240,7 +240,7 @@ def test_a_packed_row_with_context_replays_the_one_sequence_graph_when_no_layer_
     entry = BucketGraph(graph=None, metadata={"layer": static})
     assert graphs.fits(entry, {"layer": packed}) == (window is None)
     if window is None:
-        from vllm_gaudi_platform.runner.hpu_graphs import copy_metadata
+        from vllm_gaudi_platform.worker.hpu_graphs import copy_metadata
 
         copy_metadata(static, packed, packing_matters=False)
         out, cache = _attention(static, window, 10)
@@ -256,7 +256,7 @@ def test_a_packed_row_with_context_replays_the_one_sequence_graph_when_no_layer_
 def test_a_single_row_prompt_bucket_gets_a_packed_variant_where_packing_changes_the_branch(
     ctx_blocks, packing_matters, expected
 ):
-    from vllm_gaudi_platform.runner.hpu_graphs import BucketGraphs
+    from vllm_gaudi_platform.worker.hpu_graphs import BucketGraphs
 
     graphs = BucketGraphs(enabled=True)
     graphs.packing_matters = packing_matters
@@ -294,7 +294,7 @@ def test_warmup_layout_of_a_packed_variant_fills_the_bucket_with_two_sequences(
 
 
 def test_a_packed_step_replays_the_packed_graph_and_a_one_sequence_step_the_other(emulated):
-    from vllm_gaudi_platform.runner.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
+    from vllm_gaudi_platform.worker.hpu_graphs import BucketGraph, BucketGraphs, static_metadata
 
     plan = _plan(prompt=[(1, 16, 0)])
     one = _metadata([8], [0], plan)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from vllm.lora.layers import LoRAMapping
 
-from vllm_gaudi_platform.runner.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
+from vllm_gaudi_platform.worker.lora import PunicaWrapperHPU, unwarmed_shapes, warmup_mapping
 
 SLOTS, RANK, IN, OUT = 3, 8, 48, 40
 # Token slots mixing every adapter, runs of the same one, and no adapter (-1).

@@ -1,5 +1,5 @@
 """The platform's stand-in for vLLM's Triton `batch_memcpy_kernel` (Mamba prefix caching's state
-copies, `runner/mamba_state_copies.py`): copies by address within the registered KV-cache memory,
+copies, `worker/cuda_stand_ins/mamba_state_copies.py`): copies by address within the registered KV-cache memory,
 byte for byte, and refuses an address outside it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_gaudi_platform.runner import mamba_state_copies
+from vllm_gaudi_platform.worker.cuda_stand_ins import mamba_state_copies
 
 BLOCKS, PAGE = 6, 64  # bytes per page: a conv state of 24 bytes, then an SSM state of 40
 
@@ -54,9 +54,9 @@ def test_an_address_outside_the_registered_memory_is_refused():
 def test_vllm_routes_its_memcpy_kernel_to_the_stand_in(emulated):
     from vllm.v1.worker import mamba_utils
 
-    from vllm_gaudi_platform.runner import triton_overrides
+    from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels
 
-    triton_overrides.register()
+    triton_kernels.register()
     _, conv, ssm = _states()
     mamba_state_copies.register_regions([conv, ssm])
     src = torch.tensor([ssm[2].data_ptr()], dtype=torch.uint64)

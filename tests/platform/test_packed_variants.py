@@ -2,7 +2,7 @@
 another attention branch than one prompt per row: without cached context for every model, and
 at every bucket for windowed and encoder-only layers. The runner's HPU graphs capture that
 variant, warmup runs it, and the recompile count counts it when warmup did not
-(runner/hpu_graphs.py, runner/recompiles.py)."""
+(worker/hpu_graphs.py, worker/recompiles.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from vllm.v1.attention.backend import AttentionType
 
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
-from vllm_gaudi_platform.runner import hpu_graphs
-from vllm_gaudi_platform.runner.recompiles import RecompileError, RecompileTracker
+from vllm_gaudi_platform.worker import hpu_graphs
+from vllm_gaudi_platform.worker.recompiles import RecompileError, RecompileTracker
 
 BLOCK = 128
 ENCODER = AttentionType.ENCODER_ONLY

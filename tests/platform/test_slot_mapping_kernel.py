@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_gaudi_platform.runner import triton_overrides as to
+from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels as to
 
 BLOCK = 16
 STRIDE = 8  # block table columns

@@ -9,7 +9,7 @@ import pytest
 
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.bucketing import plan_from_env
-from vllm_gaudi_platform.runner import spec_decode
+from vllm_gaudi_platform.worker import spec_decode
 
 LIMITS = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=512, block_size=128)
 K = 3

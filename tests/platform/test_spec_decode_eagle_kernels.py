@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_gaudi_platform.runner import triton_overrides as to
+from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels as to
 
 PAD_ID = -1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_gaudi_platform.runner import triton_overrides as to
+from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels as to
 
 PLACEHOLDER = -1
 MAX_SPEC_LEN = 4

@@ -1,4 +1,4 @@
-"""The platform's side of models with Mamba2 state layers (runner/hybrid.py,
+"""The platform's side of models with Mamba2 state layers (worker/hybrid.py,
 attention/mamba_state.py): prompts never share a prefill row, each row and decode cell names its
 request's state slot, attention layers' metadata carries no slots, and a state layer without an
 HPU implementation is refused by name."""
@@ -13,7 +13,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, Mamb
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.attention.metadata import build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
-from vllm_gaudi_platform.runner import hybrid
+from vllm_gaudi_platform.worker import hybrid
 
 BLOCK = 128
 

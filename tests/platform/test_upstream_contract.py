@@ -30,7 +30,7 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    input preparation and copies the sampled tokens to the host on a side stream
    (`AsyncGPUModelRunnerOutput`); all of these fail without CUDA. Can go when vLLM creates them
    through the platform (a device-neutral `torch.Stream(device=...)` or a platform hook).
-3. Triton stand-ins (triton_overrides.py, registered by `HpuPlatform.register_triton_kernel_
+3. Triton stand-ins (cuda_stand_ins/triton_kernels.py, registered by `HpuPlatform.register_triton_kernel_
    overrides` through `vllm.triton_utils.dispatcher.register_kernels`): a plain-torch
    `ComputeSlotMappingKernel.kernel` (the slot mapping of every step). Why: Gaudi has no Triton,
    and the runner's input preparation launches this kernel on every platform. Not a monkeypatch:
@@ -57,7 +57,7 @@ Writes to objects of another project, not process-wide, on the same list:
   `CpuGpuBuffer` and every input-batch `X`/`X_cpu_tensor` pair at the host half. It relies on
   vLLM's naming conventions, checked by the `CONVENTIONS` below.
 - `scheduler_config.max_num_batched_tokens` is raised by `max_num_seqs` for the duration of
-  `GPUModelRunner.__init__` (runner/model_runner.py, `HPUModelRunner.__init__`), then restored:
+  `GPUModelRunner.__init__` (worker/model_runner.py, `HPUModelRunner.__init__`), then restored:
   a step holds a prefill part padded to the token budget plus a decode part padded to the batch
   bucket, and the base runner sizes its token buffers from that field. Can go when vLLM sizes the
   buffers from a platform hook. Checked: `GPUModelRunner.__init__` still reads the field.
@@ -66,9 +66,9 @@ Writes to objects of another project, not process-wide, on the same list:
   keeps these on every attention layer (`set_default_quant_scales`); the HPU backend reads them.
   Checked: `set_default_quant_scales` still sets all four.
 - `UnquantizedLinearMethod._gemm_impl` is replaced per layer method after loading
-  (runner/model_loading.py, `route_linears_through_seam`), and an EAGLE drafter's
+  (worker/model_loading.py, `route_linears_through_seam`), and an EAGLE drafter's
   `build_per_group_and_layer_attn_metadata` / `_determine_batch_execution_and_padding` are
-  replaced on the drafter instance (runner/spec_decode.py, `DraftBucketing`). Both checked in
+  replaced on the drafter instance (worker/spec_decode.py, `DraftBucketing`). Both checked in
   `UPSTREAM` (their names, parameters and the attributes they rely on).
 - nixl's agent constructor (`nixlBind.nixlAgent` in the module of vLLM's `NixlWrapper`) is
   wrapped while `HpuNixlConnectorWorker` runs vLLM's worker constructor, only when
@@ -155,12 +155,12 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(
         f"{RUNNER}._execute_mm_encoder",
-        "runner/vision.py encodes one item per pass: the batching it looks up in its module",
+        "worker/vision.py encodes one item per pass: the batching it looks up in its module",
         mentions=("group_and_batch_mm_kwargs", "embed_multimodal"),
     ),
     Upstream(
         "vllm.v1.worker.gpu_model_runner:group_and_batch_mm_kwargs",
-        "runner/vision.py replaces it for one encoder pass per item",
+        "worker/vision.py replaces it for one encoder pass per item",
         params=("mm_kwargs",),
         keywords=("device", "pin_memory"),
     ),
@@ -172,17 +172,17 @@ UPSTREAM: tuple[Upstream, ...] = (
     ),
     Upstream(
         f"{RUNNER}._prepare_mm_inputs",
-        "runner/warmup.py step_inputs: a multimodal step's inputs, as serving hands them",
+        "worker/warmup.py step_inputs: a multimodal step's inputs, as serving hands them",
         params=("num_tokens",),
     ),
     Upstream(
         f"{RUNNER}._dummy_mm_kwargs",
-        "runner/warmup.py step_inputs: the extra inputs of raw-input multimodal models",
+        "worker/warmup.py step_inputs: the extra inputs of raw-input multimodal models",
         params=("num_seqs",),
     ),
     Upstream(
         "vllm.multimodal.processing.processor:BaseMultiModalProcessor.get_dummy_inputs",
-        "runner/vision.py builds a dummy image of each size to warm",
+        "worker/vision.py builds a dummy image of each size to warm",
         params=("seq_len", "mm_counts", "mm_options"),
     ),
     Upstream(
@@ -316,7 +316,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "where this adds the encoder-only layers' group (BERT-style models have no other)",
         mentions=("self.kv_cache_config", "EncoderOnlyAttentionSpec"),
     ),
-    # --- the worker (worker.py: HPUWorker) -----------------------------------------------------
+    # --- the worker (worker/hpu_worker.py: HPUWorker) -----------------------------------------------------
     Upstream(
         "vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",
         "HPUWorker: no CUDA sleep-mode memory pool on HPU",
@@ -407,15 +407,15 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUModelRunner._share_host_buffers walks input_batch.block_table.block_tables",
         mentions=("block_tables",),
     ),
-    # --- Triton stand-ins (triton_overrides.py) ------------------------------------------------
+    # --- Triton stand-ins (cuda_stand_ins/triton_kernels.py) ------------------------------------------------
     Upstream(
         "vllm.triton_utils.dispatcher:register_kernels",
-        "triton_overrides.register",
+        "triton_kernels.register",
         params=("overrides",),
     ),
     Upstream(
         "vllm.v1.worker.block_table:ComputeSlotMappingKernel.kernel",
-        "triton_overrides.compute_slot_mapping stands in for it, positionally",
+        "triton_kernels.compute_slot_mapping stands in for it, positionally",
         params=(
             "num_tokens",
             "max_num_tokens",
@@ -435,7 +435,7 @@ UPSTREAM: tuple[Upstream, ...] = (
     *(
         Upstream(
             f"vllm.v1.sample.rejection_sampler:{kernel}",
-            f"triton_overrides.{stand_in} stands in for it, by name",
+            f"triton_kernels.{stand_in} stands in for it, by name",
             params=params,
         )
         for kernel, stand_in, params in (
@@ -527,11 +527,11 @@ UPSTREAM: tuple[Upstream, ...] = (
         "hybrid.state_tensors reads the bound states (MambaBase.kv_cache)",
         mentions=("self.kv_cache",),
     ),
-    # EAGLE drafting (triton_overrides.py EAGLE_KERNELS; spec_decode.py DraftBucketing).
+    # EAGLE drafting (cuda_stand_ins/triton_kernels.py EAGLE_KERNELS; spec_decode.py DraftBucketing).
     *(
         Upstream(
             f"vllm.v1.spec_decode.utils:{kernel}",
-            f"triton_overrides.{kernel.removesuffix('_kernel')} stands in for it, by name",
+            f"triton_kernels.{kernel.removesuffix('_kernel')} stands in for it, by name",
         )
         for kernel in (
             "eagle_step_slot_mapping_metadata_kernel",
@@ -967,7 +967,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         ),
     ),
     Overriding(
-        f"{P}.worker:HPUWorker",
+        f"{P}.worker.hpu_worker:HPUWorker",
         "vllm.v1.worker.gpu_worker:Worker",
         frozenset(
             {
@@ -981,7 +981,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         ),
     ),
     Overriding(
-        f"{P}.runner.model_runner:HPUModelRunner",
+        f"{P}.worker.model_runner:HPUModelRunner",
         RUNNER,
         frozenset(
             {
@@ -1006,7 +1006,7 @@ OVERRIDING_CLASSES: tuple[Overriding, ...] = (
         ),
     ),
     Overriding(
-        f"{P}.runner.lora:PunicaWrapperHPU",
+        f"{P}.worker.lora:PunicaWrapperHPU",
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase",
         frozenset(
             {
@@ -1290,31 +1290,31 @@ def test_host_buffer_sharing_convention_holds(name):
 
 
 def test_slot_mapping_stand_in_takes_the_kernels_parameters_in_order():
-    from vllm_gaudi_platform.runner import triton_overrides
+    from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels
 
     kernel = resolve("vllm.v1.worker.block_table:ComputeSlotMappingKernel.kernel")
     # Launched positionally (the names differ only by the kernel's `_ptr` suffixes), then the
     # compile-time constants by name.
     expected = [n.removesuffix("_ptr") for n in parameter_names(kernel)]
 
-    assert parameter_names(triton_overrides.compute_slot_mapping) == expected
+    assert parameter_names(triton_kernels.compute_slot_mapping) == expected
 
 
 @pytest.mark.parametrize("name", sorted(SPEC_DECODE_KERNEL_NAMES))
 def test_spec_decode_stand_in_takes_the_kernels_parameters_by_name(name):
-    from vllm_gaudi_platform.runner import triton_overrides
+    from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels
 
     module, kernel = name.rsplit(".", 1)
     # vLLM's launcher forwards by keyword only when the names match exactly, in order.
     expected = parameter_names(resolve(f"{module}:{kernel}"))
 
-    stand_ins = {**triton_overrides.SPEC_DECODE_KERNELS, **triton_overrides.EAGLE_KERNELS}
+    stand_ins = {**triton_kernels.SPEC_DECODE_KERNELS, **triton_kernels.EAGLE_KERNELS}
 
     assert parameter_names(stand_ins[name]) == expected
 
 
 def test_mamba_memcpy_stand_in_takes_the_kernels_parameters_by_name():
-    from vllm_gaudi_platform.runner import mamba_state_copies
+    from vllm_gaudi_platform.worker.cuda_stand_ins import mamba_state_copies
 
     expected = parameter_names(resolve("vllm.v1.worker.mamba_utils:batch_memcpy_kernel"))
     [stand_in] = mamba_state_copies.KERNELS.values()

@@ -1,4 +1,4 @@
-"""The vision encoder's shapes (runner/vision.py): what counts as one shape, one item per encoder
+"""The vision encoder's shapes (worker/vision.py): what counts as one shape, one item per encoder
 pass, the recompile count of encoder passes, and VLLM_HPU_VISION_WARMUP's parsing."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.runner import vision
-from vllm_gaudi_platform.runner.recompiles import RecompileError, RecompileTracker
+from vllm_gaudi_platform.worker import vision
+from vllm_gaudi_platform.worker.recompiles import RecompileError, RecompileTracker
 
 
 def _batch(grid: list[int], patches: int, fill: float = 0.0) -> dict:

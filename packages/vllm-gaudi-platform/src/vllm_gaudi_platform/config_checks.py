@@ -109,7 +109,7 @@ def check_compile_settings(vllm_config: VllmConfig) -> None:
     import torch._dynamo
     from vllm.config import CompilationMode
 
-    from vllm_gaudi_platform.runner.compiled import compile_wanted
+    from vllm_gaudi_platform.worker.compiled import compile_wanted
 
     mode = vllm_config.compilation_config.mode
     if mode in (CompilationMode.STOCK_TORCH_COMPILE, CompilationMode.DYNAMO_TRACE_ONCE):

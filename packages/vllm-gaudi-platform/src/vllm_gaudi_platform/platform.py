@@ -65,7 +65,7 @@ def _register_attention_backend() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, ATTENTION_BACKEND_CLS)
 
 
-WORKER_CLS = "vllm_gaudi_platform.worker.HPUWorker"
+WORKER_CLS = "vllm_gaudi_platform.worker.hpu_worker.HPUWorker"
 COMMUNICATOR_CLS = "vllm_gaudi_platform.communicator.HPUCommunicator"
 DEFAULT_BLOCK_SIZE = 128
 
@@ -220,9 +220,9 @@ class HpuPlatform(Platform):
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         """Plain-torch stand-ins for the Triton kernels vLLM's shared runner code calls."""
-        from vllm_gaudi_platform.runner import triton_overrides
+        from vllm_gaudi_platform.worker.cuda_stand_ins import triton_kernels
 
-        triton_overrides.register()
+        triton_kernels.register()
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
@@ -247,7 +247,7 @@ class HpuPlatform(Platform):
     @classmethod
     def get_punica_wrapper(cls) -> str:
         # Static-shape multi-LoRA through the seam's batched shrink/expand kernels.
-        return "vllm_gaudi_platform.runner.lora.PunicaWrapperHPU"
+        return "vllm_gaudi_platform.worker.lora.PunicaWrapperHPU"
 
     @classmethod
     def opaque_attention_op(cls) -> bool:
@@ -255,7 +255,7 @@ class HpuPlatform(Platform):
         # branches become guards); otherwise attention is vLLM's opaque custom op.
         from vllm.config import get_current_vllm_config_or_none
 
-        from vllm_gaudi_platform.runner.compiled import compile_wanted
+        from vllm_gaudi_platform.worker.compiled import compile_wanted
 
         config = get_current_vllm_config_or_none()
         return config is None or not compile_wanted(config)
@@ -305,7 +305,7 @@ class HpuPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        from vllm_gaudi_platform.runner import hybrid
+        from vllm_gaudi_platform.worker import hybrid
 
         HpuPlatform._checking_mamba_hybrid = hybrid.check_vllm_config(vllm_config)
         if cache_config.cache_dtype not in HPU_KV_CACHE_DTYPES:
@@ -325,7 +325,7 @@ class HpuPlatform(Platform):
         # A quantization method may refuse settings it cannot run, before any engine starts.
         if isinstance(vllm_config.quant_config, quant_hooks.ChecksVllmConfig):
             vllm_config.quant_config.hpu_check_vllm_config(vllm_config)
-        from vllm_gaudi_platform.runner.spec_decode import check_speculative_config
+        from vllm_gaudi_platform.worker.spec_decode import check_speculative_config
 
         check_speculative_config(vllm_config.speculative_config)
 
@@ -348,7 +348,7 @@ class HpuPlatform(Platform):
         # vLLM's own compile integration stays off: its modes drop dynamo's guards (a trace of
         # one bucket would serve every other) or compile for inductor and CUDA graphs. The
         # runner compiles the forward pass itself with the seam's backend, once per bucket, in
-        # eager mode (PT_HPU_LAZY_MODE=0) unless enforce_eager (runner/compiled.py); lazy mode
+        # eager mode (PT_HPU_LAZY_MODE=0) unless enforce_eager (worker/compiled.py); lazy mode
         # builds its graphs op by op and replays HPU graphs instead.
         config_checks.check_compile_settings(vllm_config)
         compilation_config.mode = CompilationMode.NONE
@@ -379,7 +379,7 @@ class HpuPlatform(Platform):
         cache_config = vllm_config.cache_config
         if not cache_config.user_specified_block_size:
             cache_config.block_size = DEFAULT_BLOCK_SIZE
-        from vllm_gaudi_platform.runner.hybrid import is_mamba_hybrid
+        from vllm_gaudi_platform.worker.hybrid import is_mamba_hybrid
 
         if is_mamba_hybrid(vllm_config.model_config):
             # Attention blocks and Mamba state slots share one page size: vLLM grows the
@@ -462,7 +462,7 @@ def _block_bytes(cache: torch.Tensor) -> int:
 def _set_gaudi_runtime_env() -> None:
     """The Gaudi runtime settings that must be fixed before the device is initialized."""
     os.environ.setdefault(envs.PT_HPU_WEIGHT_SHARING, "0")
-    from vllm_gaudi_platform.runner.compiled import configure_dynamo
+    from vllm_gaudi_platform.worker.compiled import configure_dynamo
 
     configure_dynamo()
     if envs.lazy_mode():

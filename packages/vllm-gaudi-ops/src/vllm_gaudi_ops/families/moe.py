@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from vllm_gaudi_ops import stats
-from vllm_gaudi_platform.runner.routed_experts import (
+from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     capture_routed_experts,
     gather_max_tokens,

@@ -71,7 +71,7 @@ FIELDS: tuple[str, ...] = (
     "kv_staged_to_host_bytes",
     "kv_staged_to_device_bytes",
 )
-# torch.compile's counts per phase (see runner/compiled.py), each a "<what>_<phase>" of FIELDS.
+# torch.compile's counts per phase (see worker/compiled.py), each a "<what>_<phase>" of FIELDS.
 COMPILE_PHASES: tuple[str, ...] = ("warmup", "serving")
 # The padding dimensions, each a (real, padded) pair of FIELDS.
 PADDING_DIMENSIONS: tuple[str, ...] = ("prompt_tokens", "decode_batch", "decode_blocks")
@@ -194,7 +194,7 @@ class StepMetrics:
         self._values[_INDEX["graphs"]] = graphs
 
     def set_compile(self, graphs: dict[str, int], breaks: dict[str, int]) -> None:
-        """torch.compile's totals per phase (runner/compiled.py's CompileStats)."""
+        """torch.compile's totals per phase (worker/compiled.py's CompileStats)."""
         for phase in COMPILE_PHASES:
             self._values[_INDEX[f"compiled_graphs_{phase}"]] = graphs.get(phase, 0)
             self._values[_INDEX[f"graph_breaks_{phase}"]] = breaks.get(phase, 0)

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
 
-from vllm_gaudi_platform.runner.routed_experts import (
+from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     ExpertSelection,
     capture_routed_experts,

@@ -30,7 +30,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
 from vllm_gaudi_platform import seam
-from vllm_gaudi_platform.runner.routed_experts import (
+from vllm_gaudi_platform.worker.routed_experts import (
     ExpertSelection,
     dequantized_gather_cost,
     gather_max_tokens,

@@ -38,7 +38,7 @@ class RecompileTracker:
         # Serving steps with several prompts in one prefill row (packed; for a model with
         # state-space layers only where no bucket holds them, even in passes).
         self.packed_prefills = 0
-        # Vision-encoder passes (runner/vision.py): the shapes warmed, those met after warmup.
+        # Vision-encoder passes (worker/vision.py): the shapes warmed, those met after warmup.
         self.warmed_encoder: set[tuple] = set()
         self.encoder_seen: list[str] = []
 
@@ -87,7 +87,7 @@ class RecompileTracker:
         self.warmed.add(shape)  # compiled once now; later runs reuse it
 
     def record_encoder(self, signature: tuple, describe: Callable[[], str]) -> None:
-        """One vision-encoder pass on `signature` (runner/vision.py); `describe` names its
+        """One vision-encoder pass on `signature` (worker/vision.py); `describe` names its
         shapes for the log."""
         if signature in self.warmed_encoder:
             return

@@ -22,8 +22,8 @@ from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
 from vllm_gaudi_platform.bucketing import Bucket
-from vllm_gaudi_platform.runner import lora as hpu_lora
-from vllm_gaudi_platform.runner import vision
+from vllm_gaudi_platform.worker import lora as hpu_lora
+from vllm_gaudi_platform.worker import vision
 
 logger = init_logger(f"vllm.{__name__}")
 

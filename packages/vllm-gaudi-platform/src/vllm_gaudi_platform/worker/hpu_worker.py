@@ -14,9 +14,9 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.runner import sleep_mode
-from vllm_gaudi_platform.runner.compiled import configure_dynamo
-from vllm_gaudi_platform.runner.model_runner import HPUModelRunner
+from vllm_gaudi_platform.worker import sleep_mode
+from vllm_gaudi_platform.worker.compiled import configure_dynamo
+from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")

@@ -8,7 +8,7 @@ need buckets `(batch_size, 1 + k, ctx_blocks)` with the batch sizes of decode an
 runs them and the recompile tracker counts any verification shape they miss.
 
 Rejection sampling itself is vLLM's, with plain-torch stand-ins for its Triton kernels
-(`triton_overrides.py`).
+(`cuda_stand_ins/triton_kernels.py`).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ class DraftBucketing:
         """Run the head's drafting and warmup passes through torch.compile with `backend`, per
         bucket like the target (`target`: its compiled.CompiledModel, whose statistics the
         head's graphs join under labels starting with "draft ")."""
-        from vllm_gaudi_platform.runner.compiled import CompiledModel
+        from vllm_gaudi_platform.worker.compiled import CompiledModel
 
         head = CompiledModel(
             self.drafter.model,

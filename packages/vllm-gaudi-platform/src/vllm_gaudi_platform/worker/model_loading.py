@@ -15,8 +15,8 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
 from vllm_gaudi_platform import envs, quant_hooks
-from vllm_gaudi_platform.runner import compiled, hpu_graphs, hybrid, spec_decode, vision
-from vllm_gaudi_platform.runner.compiled import compile_wanted
+from vllm_gaudi_platform.worker import compiled, hpu_graphs, hybrid, spec_decode, vision
+from vllm_gaudi_platform.worker.compiled import compile_wanted
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -30,7 +30,7 @@ def load(runner: Any, model: torch.nn.Module | None) -> None:
     runner.model = loaded
     if runner.lora_config:
         # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run
-        # through the platform's punica wrapper (runner/lora.py, PunicaWrapperHPU).
+        # through the platform's punica wrapper (worker/lora.py, PunicaWrapperHPU).
         runner.model = runner.load_lora_model(runner.model, runner.vllm_config, runner.device)
     # A quantization method may transform the loaded model before warmup (INC FP8 patches its
     # layers for measurement or FP8). The hook is declared in quant_hooks.py: the platform never

@@ -407,7 +407,7 @@ def register() -> None:
         return
     from vllm.triton_utils.dispatcher import register_kernels
 
-    from vllm_gaudi_platform.runner import mamba_state_copies
+    from vllm_gaudi_platform.worker.cuda_stand_ins import mamba_state_copies
 
     register_kernels(
         {
