@@ -283,6 +283,14 @@ def _check_settings(report: Report) -> None:
     ]
 
 
+def _check_defaults(report: Report) -> None:
+    from vllm_gaudi_platform import selftest_defaults
+
+    report.defaults, problem = selftest_defaults.doctor_entries()
+    if problem:
+        report.problems.append(problem)
+
+
 # Entry point -> import name of the optional package (in OPTIONAL_DEPENDENCIES) it needs.
 QUANT_REQUIRES = {"hpu_quant_inc": "neural_compressor"}
 
@@ -339,6 +347,7 @@ def collect() -> Report:
     doctor_optional.check_optional(report, wheels)
     _check_quantization(report, wheels, allowed)
     _check_settings(report)
+    _check_defaults(report)
     return report
 
 
@@ -391,6 +400,10 @@ def render(report: Report) -> str:
         default = "unset" if setting["default"] is None else setting["default"]
         text = f"{setting['name']}={setting['value']} (default {default})"
         lines += _wrap(text, "  settings      ", " " * 16)
+    for d in report.defaults:
+        value = "unset (automatic)" if d["value"] is None else d["value"]
+        text = f"{d['name']}={value}: {d['origin']}, {d['detail']}"
+        lines += _wrap(text, "  defaults      ", " " * 16)
     for q in report.quantization:
         text = f"{q['method']}: " + ("registers" if q["registers"] else q["why_not"])
         lines += _wrap(text, "  quantization  ", " " * 16)

@@ -35,6 +35,9 @@ class Report:
     quantization: list[dict[str, Any]] = field(default_factory=list)
     # Our settings (envs.VARIABLES) in effect that differ from their defaults.
     settings: list[dict[str, Any]] = field(default_factory=list)
+    # Defaults a selftest report can decide: the value in effect and where it came from
+    # (environment, selftest report, built-in default).
+    defaults: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
 

@@ -246,9 +246,8 @@ def render(report: dict[str, Any], json_path: str | None = None) -> str:
     lines += _wrap(f"answers from {b['answers_from']['text']}", "probes")
     for p in report["probes"]:
         advice = f" -> {p['advice']}" if p["verdict"] == "contradicts" and p["advice"] else ""
-        lines += _wrap(
-            f"{p['question']} {p['answer']}: {p['verdict']} '{p['default']}'{advice}", ""
-        )
+        answer = p["answer"] if len(p["answer"]) <= 60 else p["answer"][:57] + "..."
+        lines += _wrap(f"{p['id']}: {answer} ({p['verdict']} the default){advice}", "")
     lines += _wrap(_timing_line(report["timings"]), "timings")
     m = report["memory"]
     lines += _wrap(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_gaudi_platform import envs
+from vllm_gaudi_platform import selftest_defaults
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -56,20 +56,20 @@ def dequantized_gather_cost(stored_bytes: float, computed_bytes: float) -> float
 
 def gather_max_tokens(num_local: int, top_k: int, cost: float) -> int:
     """Most tokens a step may have for the layer to gather its routed experts:
-    VLLM_MOE_GATHER_MAX_TOKENS when set, else the largest count whose G = tokens * top_k
-    gathered experts cost less than the dense pass over `num_local` experts."""
-    setting = envs.moe_gather_max_tokens()
+    VLLM_MOE_GATHER_MAX_TOKENS when set, else the value a selftest report decided
+    (VLLM_HPU_SELFTEST_REPORT), else the largest count whose G = tokens * top_k gathered
+    experts cost less than the dense pass over `num_local` experts."""
+    setting, source = selftest_defaults.moe_gather_max_tokens()
     if setting is None:
         value = max(0, math.ceil(num_local / (top_k * cost)) - 1)
     else:
         value = setting
-    _log_threshold(num_local, top_k, round(cost, 2), value, setting is None)
+    _log_threshold(num_local, top_k, round(cost, 2), value, source)
     return value
 
 
 @functools.cache
-def _log_threshold(num_local: int, top_k: int, cost: float, value: int, auto: bool) -> None:
-    source = "automatic" if auto else envs.VLLM_MOE_GATHER_MAX_TOKENS
+def _log_threshold(num_local: int, top_k: int, cost: float, value: int, source: str) -> None:
     if value == 0:
         what = "never gather their routed experts"
     else:
