@@ -38,12 +38,12 @@ from functools import cache
 from pathlib import Path
 
 from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.seam import contract
 from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     dequantized_gather_cost,
     gather_max_tokens,
 )
-from vllm_gaudi_platform.seam import contract
 
 # ----------------------------------------------------------------------------- devices
 GAUDI3_PAPER = "Intel Gaudi 3 AI Accelerator White Paper (Intel, 2024), specification tables"
@@ -244,7 +244,7 @@ def linear(t: float, n_in: int, n_out: int, prec: Precision) -> list[Call]:
 
 
 MASK_BUILD = "~build slice mask (attention/metadata.py)"
-MASK_TO_BIAS = "~bool mask to bf16 bias (seam/gaudi.py fused_sdpa)"
+MASK_TO_BIAS = "~bool mask to bf16 bias (seam/gaudi fused_sdpa)"
 
 
 def _prompt_attention(m: Model, s: Shape, o: Options) -> list[Call]:
@@ -271,7 +271,7 @@ def _prompt_attention(m: Model, s: Shape, o: Options) -> list[Call]:
         keys, width = n_ctx + q1, q1 - q0
         elems = rows * width * keys
         io = ACT * rows * (2 * h * width * d + 2 * hk * keys * d)
-        # The bool mask becomes an additive bf16 bias in every call (seam/gaudi.py's
+        # The bool mask becomes an additive bf16 bias in every call (seam/gaudi's
         # _additive_mask: read 1 B, write 2 B), which FusedSDPA reads (2 B).
         calls.append(Call(MASK_TO_BIAS, 3 * elems))
         calls.append(Call("fused_sdpa", io + 2 * elems, 4 * rows * h * d * width * keys))

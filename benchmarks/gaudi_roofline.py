@@ -412,7 +412,7 @@ def main() -> None:
         print(f"    {dev_name}: {cells}")
     print(
         "Goal 3's saving is what building a step's masks once (instead of in every layer) takes "
-        "off the\ndevice; 'left' is the mask work still paid per layer: seam/gaudi.py turns the "
+        "off the\ndevice; 'left' is the mask work still paid per layer: seam/gaudi turns the "
         "shared bool mask\ninto a bf16 bias in every fused_sdpa call, which the kernel then reads."
     )
     figures = {

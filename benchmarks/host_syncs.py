@@ -3,7 +3,7 @@
 A Gaudi's device runs ahead of the host only while the host does not wait for it: every
 device-to-host read (`.item()`, `.tolist()`, a blocking copy) and every wait for the device
 (`synchronize` of the device, a stream or an event) stalls the host until the device has caught
-up. This counts them on seam/gaudi.py over the Habana stand-in (tests/habana_standin), whose
+up. This counts them on seam/gaudi over the Habana stand-in (tests/habana_standin), whose
 torch device "hpu" holds every tensor as a Gaudi does and counts each read itself
 (tests/integration/host_sync_job.py does the counting; tests/integration/test_host_syncs.py
 holds the goals). The tiny Llama, HPU graphs in lazy mode, greedy, with vLLM's async scheduling
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,64", help="comma-separated batch sizes")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    print("Host syncs per step: gaudi.py over the stand-in's device, HPU graphs (lazy mode)")
+    print("Host syncs per step: seam/gaudi over the stand-in's device, HPU graphs (lazy mode)")
     print("GPU runner: reads/blocking/waits per step from vLLM's code; ratio: our reads / its")
     for line in table(measure(batches)):
         print(line)

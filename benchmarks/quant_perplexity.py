@@ -17,7 +17,7 @@ with `--quantization inc` (weights and activations FP8 in every decoder linear).
 is neural-compressor's CPU path (quantize-dequantize, arbitrary scales); the rows
 "inc fp8 HPU flow, Gaudi 2/3" calibrate and score on its HPU path instead, the one a Gaudi runs
 (hardware-aligned `maxabs_hw` scales: Gaudi 2's four scales and 240 range, Gaudi 3's powers of two
-and 448; the LM head in FP8 too), with seam/gaudi.py over the Habana stand-in (tests/habana_standin)
+and 448; the LM head in FP8 too), with seam/gaudi over the Habana stand-in (tests/habana_standin)
 playing that generation.
 
     python benchmarks/quant_perplexity.py [--formats NAME ...] [--windows N]
@@ -53,7 +53,7 @@ FORMATS = {
 }
 INC_FP8 = "inc fp8 (calibrated)"
 # INC on neural-compressor's HPU flow (the one a Gaudi runs: maxabs_hw scales, FP8 GEMMs, the LM
-# head quantized too), seam/gaudi.py over the Habana stand-in playing each Gaudi generation.
+# head quantized too), seam/gaudi over the Habana stand-in playing each Gaudi generation.
 INC_GAUDI = {"inc fp8 HPU flow, Gaudi 2": 2, "inc fp8 HPU flow, Gaudi 3": 3}
 CALIBRATION_SAMPLES = 64
 ENGINE = demo_model.ENGINE_ARGS

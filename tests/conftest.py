@@ -128,7 +128,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 # ----------------------------------------------------------------------------- the Gaudi backend
-# seam/gaudi.py runs in every test run: over a real Gaudi where habana_frameworks is installed,
+# seam/gaudi runs in every test run: over a real Gaudi where habana_frameworks is installed,
 # otherwise over the Habana stand-in (tests/habana_standin, see its README). The stand-in is
 # importable only inside `habana_standin()`: the rest of the suite sees a machine without Gaudi
 # software, as CI's machines are.
@@ -147,7 +147,7 @@ def standin_process_env(generation: int = 3, **extra: str) -> dict[str, str | No
     }
 
 
-# An engine process's "Gaudi": seam/gaudi.py over the stand-in instead of the emulation
+# An engine process's "Gaudi": seam/gaudi over the stand-in instead of the emulation
 # (tests/habana_standin/engine/sitecustomize.py).
 STANDIN_ENGINE_ENV: dict[str, str | None] = {
     "VLLM_HPU_EMULATION": None,
@@ -210,7 +210,7 @@ def standin_device() -> Iterator[Any]:
 
 @pytest.fixture
 def gaudi(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """The seam's Gaudi backend module (`seam/gaudi.py`), over a real Gaudi where one is
+    """The seam's Gaudi backend module (`seam/gaudi`), over a real Gaudi where one is
     installed, otherwise over the Habana stand-in (importable for the test's duration)."""
     if REAL_GAUDI_SOFTWARE:
         from vllm_gaudi_platform.seam import gaudi as module
@@ -234,7 +234,7 @@ def gaudi_device() -> Any:
 @pytest.fixture(params=["emulated", "gaudi"])
 def hpu_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     """The seam's backend as `seam.backend()` resolves it, once per backend: the emulation, and
-    gaudi.py (over the stand-in off Gaudi, its device facts pointed at the CPU, where the
+    seam/gaudi (over the stand-in off Gaudi, its device facts pointed at the CPU, where the
     stand-in's memory is). Layer-level tests take it to run the same code on both."""
     from vllm_gaudi_platform.seam import backend
 

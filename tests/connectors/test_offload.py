@@ -66,7 +66,7 @@ def _worker_caches(pages=(256, 384), num_blocks=16, seed=0):
 
 
 def test_the_worker_stores_pages_and_loads_them_back_into_other_blocks(hpu_backend):
-    # Copies go through the seam's copy_blocks: the emulation, and gaudi.py over the stand-in.
+    # Copies go through the seam's copy_blocks: the emulation, and seam/gaudi over the stand-in.
     from vllm.v1.kv_offload.base import GPULoadStoreSpec
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 

@@ -1,4 +1,4 @@
-"""Whole engines on the Gaudi backend: seam/gaudi.py over the Habana stand-in
+"""Whole engines on the Gaudi backend: seam/gaudi over the Habana stand-in
 (tests/habana_standin/engine/sitecustomize.py makes it the process's "Gaudi"), every weight, KV
 block, activation and index tensor on its torch device "hpu", which refuses ops mixing them with
 host tensors as a Gaudi does; in lazy mode with HPU graphs, against the same engines in
@@ -50,7 +50,7 @@ MODELS = (
     "ct-mxfp4",
     "granitemoehybrid",
 )
-# The job process's "Gaudi": gaudi.py over the stand-in instead of the emulation.
+# The job process's "Gaudi": seam/gaudi over the stand-in instead of the emulation.
 GAUDI_ENV = STANDIN_ENGINE_ENV
 
 

@@ -118,7 +118,7 @@ def test_mixed_prefill_and_decode_steps_replay_one_graph_per_part(hpu):
     assert stats["eager_steps"] == 0, (stats["variant_misses"], stats["eager_buckets"])
 
 
-# The same engine on the Gaudi backend: gaudi.py over the Habana stand-in, every weight, KV block,
+# The same engine on the Gaudi backend: seam/gaudi over the Habana stand-in, every weight, KV block,
 # activation, index tensor and sampled id on its torch device "hpu", which refuses ops mixing
 # them with host tensors. Lazy mode with HPU graphs; two rounds, the second served from the
 # prefix cache; the longest prompts (up to 300 tokens) exceed the 256-token step budget, so their
@@ -137,7 +137,7 @@ def test_gaudi_py_on_the_device_generates_the_emulations_tokens(on_gaudi, hpu):
     assert on_gaudi["stats"]["seam"] == "gaudi" and hpu["stats"]["seam"] == "emulated on cpu"
     assert on_gaudi["stats"]["kv_cache_devices"] == ["hpu"]
     for n, (gaudi, emulated) in enumerate(zip(on_gaudi["rounds"], hpu["rounds"], strict=True)):
-        diverged = assert_close(gaudi, emulated, f"round {n}: gaudi.py vs emulation")
+        diverged = assert_close(gaudi, emulated, f"round {n}: seam/gaudi vs emulation")
         assert diverged <= 1, f"round {n}: {diverged} of 10 prompts hit near-ties"
 
 
@@ -145,7 +145,7 @@ def test_gaudi_py_on_the_device_serves_prefix_cache_hits_and_chunked_prefills(on
     assert max(len(p) for p in prompts) > ENGINE["max_num_batched_tokens"]  # chunked
     first, second = on_gaudi["cached_tokens"]
     assert sum(second) > sum(first), on_gaudi["cached_tokens"]
-    assert_close(on_gaudi["rounds"][1], on_gaudi["rounds"][0], "prefix-cached round (gaudi.py)")
+    assert_close(on_gaudi["rounds"][1], on_gaudi["rounds"][0], "prefix-cached round (seam/gaudi)")
     stats = on_gaudi["stats"]
     assert stats["graphs_enabled"] and stats["graph_replays"] > 0
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]

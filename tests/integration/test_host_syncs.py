@@ -1,4 +1,4 @@
-"""Host syncs per engine step on the Gaudi backend: gaudi.py over the Habana stand-in, every
+"""Host syncs per engine step on the Gaudi backend: seam/gaudi over the Habana stand-in, every
 tensor on its torch device "hpu", where each device-to-host read and each wait for the device is
 counted per step and per phase of the HPU runner (host_sync_job.py), with HPU graphs in lazy
 mode, under vLLM's async scheduling (how it serves) and without it.

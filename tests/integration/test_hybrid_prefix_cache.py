@@ -3,7 +3,8 @@
 With prefix caching on (vLLM's default), the scheduler ends a hybrid's prefill chunks at block
 boundaries, vLLM's runner copies each request's conv and SSM states into the block of its last
 token before a step (through the platform's stand-in for its Triton memcpy,
-`worker/cuda_stand_ins/mamba_state_copies.py`), and the HPU mixer reads and writes that block. A later prompt that
+`worker/cuda_stand_ins/mamba_state_copies.py`), and the HPU mixer reads and writes that block.
+A later prompt that
 shares a prefix starts from the state cached at the prefix's last block boundary, and must still
 generate what transformers generates from scratch: a state copied from the wrong block, or not
 copied at all, changes its tokens.
@@ -11,7 +12,7 @@ copied at all, changes its tokens.
 Prompts share a 300-token prefix (blocks of 128 tokens); the second round serves every prompt
 again, so each must hit the cache up to its last whole block before its final token, as vLLM's
 attention prefix cache does. Tiny GraniteMoeHybrid and Nemotron-H run in emulation, GraniteMoeHybrid
-also on seam/gaudi.py over the Habana stand-in (same tokens, same hits).
+also on seam/gaudi over the Habana stand-in (same tokens, same hits).
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def lora_server(models, clean_env, tmp_path_factory) -> Iterator[httpx.Client]:
     env = openai_server.server_env(clean_env())
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if not REAL_GAUDI_SOFTWARE:
-        # The served engine is a Gaudi's: gaudi.py over the Habana stand-in, its tensors on the
+        # The served engine is a Gaudi's: seam/gaudi over the Habana stand-in, its tensors on the
         # stand-in's "hpu" device (the offline job above runs the emulation).
         for name, value in STANDIN_ENGINE_ENV.items():
             if value is None:

@@ -1,7 +1,7 @@
 """Sleep mode on the HPU platform: levels 1 and 2 release the weights' and the KV cache's device
 memory, wake_up restores them (per tag), greedy outputs after waking equal the outputs before
 sleeping, and the run after waking meets no shape that warmup did not run. One engine process
-runs the whole sequence (sleep_job.py), in CPU emulation and on seam/gaudi.py over the Habana
+runs the whole sequence (sleep_job.py), in CPU emulation and on seam/gaudi over the Habana
 stand-in, whose torch device "hpu" counts the bytes its tensors hold (host and device are two
 memories there, as on a Gaudi)."""
 

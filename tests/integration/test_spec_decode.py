@@ -80,7 +80,7 @@ def result() -> dict:
     return job_result(run_job(JOB, json.dumps(spec_job(DRAFTERS))), "speculative decoding job")
 
 
-# EAGLE on the Gaudi backend: gaudi.py over the Habana stand-in, the target's and the draft
+# EAGLE on the Gaudi backend: seam/gaudi over the Habana stand-in, the target's and the draft
 # head's tensors on its torch device "hpu" (mixed host/device ops refused), HPU graphs in lazy
 # mode. The n-gram drafter runs there in the served LoRA engine (test_lora.py).
 @pytest.fixture(scope="module")
@@ -89,7 +89,7 @@ def on_gaudi() -> dict:
         pytest.skip("the stand-in does not load beside a real Gaudi stack (the tests run there)")
     env = {**STANDIN_ENGINE_ENV, "PT_HPU_LAZY_MODE": "1"}
     job = json.dumps(spec_job(("eagle",)))
-    return job_result(run_job(JOB, job, env), "speculative decoding job on gaudi.py")
+    return job_result(run_job(JOB, job, env), "speculative decoding job on seam/gaudi")
 
 
 def test_eagle_on_gaudi_py_gives_the_emulations_tokens_and_accepts_drafts(on_gaudi, result):

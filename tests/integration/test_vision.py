@@ -129,14 +129,14 @@ def test_offline_runs_on_the_hpu_platform(offline):
     assert offline["seam"] == "emulated on cpu"
 
 
-# ---- the Gaudi backend: seam/gaudi.py over the Habana stand-in (HPU graphs) --------------------
+# ---- the Gaudi backend: seam/gaudi over the Habana stand-in (HPU graphs) --------------------
 
 ON_GAUDI_PY = ("qwen2.5-vl", "gemma3")
 
 
 @pytest.fixture(scope="module")
 def on_gaudi_py(models) -> dict[str, dict]:
-    """Qwen2.5-VL and Gemma 3 (its image spans' masks) on gaudi.py, one after the other in one
+    """Qwen2.5-VL and Gemma 3 (its image spans' masks) on seam/gaudi, one after the other in one
     process."""
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("the stand-in does not load beside a real Gaudi stack (the tests run there)")
@@ -152,7 +152,7 @@ def on_gaudi_py(models) -> dict[str, dict]:
     proc = run_job(JOB, json.dumps(jobs), env)
     results = named_job_outputs(proc)
     if set(results) != set(ON_GAUDI_PY):
-        pytest.fail(f"the jobs on gaudi.py printed {sorted(results)}:\n{proc.stderr[-5000:]}")
+        pytest.fail(f"the jobs on seam/gaudi printed {sorted(results)}:\n{proc.stderr[-5000:]}")
     return results
 
 
@@ -161,7 +161,7 @@ def test_gaudi_py_serves_images_like_the_emulation_and_transformers(on_gaudi_py,
     result = on_gaudi_py[name]
     assert result["seam"] == "gaudi"
     ours, ref = result["rounds"][0], reference[name]
-    diverged = assert_close([ours[n] for n in FIRST], [ref[n] for n in FIRST], "gaudi.py")
+    diverged = assert_close([ours[n] for n in FIRST], [ref[n] for n in FIRST], "seam/gaudi")
     assert diverged <= 1, f"{diverged} of {len(FIRST)} prompts took a near-tie"
     stats = result["stats"]
     assert stats["graph_replays"] > 0 and stats["eager_steps"] == 0, stats

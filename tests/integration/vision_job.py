@@ -56,7 +56,7 @@ def run(job: dict) -> dict:
 
 
 def _seam_name(worker) -> str:
-    """Which backend the worker's seam is: "gaudi" (gaudi.py) or "emulated on cpu"."""
+    """Which backend the worker's seam is: "gaudi" (seam/gaudi) or "emulated on cpu"."""
     return worker.model_runner.seam.NAME
 
 

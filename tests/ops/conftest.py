@@ -2,7 +2,7 @@
 
 - `emulated` (from the root conftest): the seam's emulated backend for one test.
 - `hpu_backend` (from the root conftest): the seam's backend for one test, once per backend (the
-  emulation, and gaudi.py over the Habana stand-in off Gaudi); the family tests take it.
+  emulation, and seam/gaudi over the Habana stand-in off Gaudi); the family tests take it.
 - `vllm_config`: a default VllmConfig set as current, which vLLM layers need to be built.
 - `assert_matches`: assert_close with the tolerance of the dtype (see TOLERANCES).
 """

@@ -1,5 +1,5 @@
 """The encoder-attention family: MMEncoderAttention through the seam's fused_sdpa, on both
-backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in),
+backends of the seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in),
 against vLLM's forward_native (torch SDPA). Tolerances: conftest TOLERANCES."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The MoE family: UnquantizedFusedMoEMethod (its routing, and its experts through the seam's
 mixture_of_experts kernel) and grouped top-k, against vLLM's own CPU implementations, on both
-backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in).
+backends of the seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in).
 
 The MoE reference is vLLM's CPU fused-MoE kernel (`cpu_fused_moe` on prepacked weights, what
 vLLM's CPU platform runs for unquantized experts); it rounds differently from the emulated

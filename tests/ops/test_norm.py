@@ -1,5 +1,5 @@
 """The norm family's Gaudi path against vLLM's forward_native, on both backends of the seam
-(`hpu_backend`: the emulated kernels, and gaudi.py over the Habana stand-in).
+(`hpu_backend`: the emulated kernels, and seam/gaudi over the Habana stand-in).
 
 Tolerances: conftest TOLERANCES (vLLM's kernel-vs-native defaults). The kernel applies the
 weight in float32 and normalises x + residual as rounded to the input dtype, where vLLM

@@ -1,5 +1,5 @@
 """The rotary family's Gaudi path against vLLM's forward_native, per variant, on both backends of
-the seam (`hpu_backend`: the emulated kernels, and gaudi.py over the Habana stand-in).
+the seam (`hpu_backend`: the emulated kernels, and seam/gaudi over the Habana stand-in).
 
 Each Hpu* class inherits its variant's cos/sin cache, so forward_oot and forward_native of the
 same instance see the same cache; only the rotation differs (the kernel vs vLLM's torch code).

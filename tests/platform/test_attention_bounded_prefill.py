@@ -1,5 +1,5 @@
 """Bounded prefill memory and window-narrowed block gathers in the HPU attention backend, on both
-backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off
+backends of the seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in off
 Gaudi), each checked against the float64 per-sequence reference of test_attention.py:
 
 - prefill rows of one sequence without context, window or soft-cap call the fused SDPA in its

@@ -15,7 +15,7 @@ from vllm_gaudi_platform.attention import step_layout
 
 @pytest.fixture(autouse=True)
 def _backend(hpu_backend):
-    """Every test runs on both backends of the seam: the emulation, and gaudi.py (over the Habana
+    """Every test runs on both backends of the seam: the emulation, and seam/gaudi (over the Habana
     stand-in off Gaudi)."""
     return hpu_backend
 

@@ -1,5 +1,5 @@
 """The HPU attention backend with an FP8 KV cache (kv_cache_dtype fp8_inc / fp8 / fp8_e4m3), on
-both backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off
+both backends of the seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in off
 Gaudi): new keys and values are written through the seam's saturating cast_to_fp8_v2 with the
 layer's k/v scale, cached ones are read back through cast_from_fp8, in prefill with cached context
 and in paged decode. Compared with the same step on a float32 cache.

@@ -1,4 +1,4 @@
-"""seam/gaudi.py against seam/emulated.py, function by function, on the same inputs.
+"""seam/gaudi against seam/emulated.py, function by function, on the same inputs.
 
 Runs everywhere: over a real Gaudi where habana_frameworks is installed, otherwise over the Habana
 stand-in (tests/habana_standin), which enforces the input rules of Habana's kernels. So a wrapper

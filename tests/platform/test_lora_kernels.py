@@ -1,6 +1,6 @@
 """The seam's batched LoRA kernels and the HPU punica wrapper, against a naive float64 reference
 that loops over tokens and picks each token's adapter. The kernels and the wrapper's products run
-on both backends of the seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in
+on both backends of the seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in
 off Gaudi; the wrapper resolves the seam's backend); the wrapper's bookkeeping tests take the
 `emulated` fixture."""
 

@@ -1,6 +1,6 @@
 """The platform's stand-in for vLLM's Triton `batch_memcpy_kernel` (Mamba prefix caching's state
-copies, `worker/cuda_stand_ins/mamba_state_copies.py`): copies by address within the registered KV-cache memory,
-byte for byte, and refuses an address outside it."""
+copies, `worker/cuda_stand_ins/mamba_state_copies.py`): copies by address within the registered
+KV-cache memory, byte for byte, and refuses an address outside it."""
 
 from __future__ import annotations
 

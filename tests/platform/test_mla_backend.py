@@ -21,7 +21,7 @@ SCALE = 1 / math.sqrt(NOPE + ROPE)
 
 @pytest.fixture(autouse=True)
 def _backend(hpu_backend):
-    """Every test runs on both backends of the seam: the emulation, and gaudi.py (over the Habana
+    """Every test runs on both backends of the seam: the emulation, and seam/gaudi (over the Habana
     stand-in off Gaudi)."""
     return hpu_backend
 

@@ -1,13 +1,14 @@
 """The seam's two backends provide the same API, and that API is the `HpuBackend` Protocol.
 
-`gaudi.py` cannot be imported without a Gaudi, so both backends are compared as PARSED source:
+`gaudi` cannot be imported without a Gaudi, so both backends are compared as PARSED source:
 every public top-level name (function, class, constant) and every function's parameters (names,
 kinds, default expressions). The Protocol is compared with the emulated backend, which imports on
 any machine. A kernel added to one backend and forgotten in the other fails here.
 
 `emulated.py` defines part of its API and re-exports the rest from its sibling `emulated_*.py`
-modules in the explicit form `from vllm_gaudi_platform.seam.<module> import name as name`; a name
-re-exported that way is read from the source of the module that defines it.
+modules, and the `gaudi` package re-exports all of its API from its modules, in the explicit form
+`from vllm_gaudi_platform.seam.<module> import name as name`; a name re-exported that way is read
+from the source of the module that defines it.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def public_api(source: str) -> dict[str, tuple[Param, ...] | str]:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{SEAM_PACKAGE}."):
             reexported = [alias.name for alias in node.names if alias.asname == alias.name]
             if reexported:
-                origin = node.module.rpartition(".")[2]
+                origin = node.module.removeprefix(f"{SEAM_PACKAGE}.")
                 defined = public_api(_source(origin))
                 for name in reexported:
                     assert name in defined, (
@@ -96,7 +97,12 @@ def differences(a: dict, b: dict, a_name: str, b_name: str) -> list[str]:
 
 
 def _source(name: str) -> str:
-    return (SEAM / f"{name}.py").read_text()
+    """The source of a seam module by its dotted name below the seam ("emulated_moe",
+    "gaudi.moe"); a package's is its `__init__.py`'s."""
+    path = SEAM.joinpath(*name.split("."))
+    if path.is_dir():
+        return (path / "__init__.py").read_text()
+    return path.with_suffix(".py").read_text()
 
 
 def protocol_members() -> dict[str, inspect.Signature | None]:
@@ -117,7 +123,7 @@ def protocol_members() -> dict[str, inspect.Signature | None]:
 
 def test_gaudi_and_emulated_backends_have_the_same_public_api():
     problems = differences(
-        public_api(_source("gaudi")), public_api(_source("emulated")), "gaudi.py", "emulated.py"
+        public_api(_source("gaudi")), public_api(_source("emulated")), "gaudi", "emulated.py"
     )
     assert not problems, "\n".join(problems)
 
@@ -127,10 +133,10 @@ def test_a_kernel_added_to_one_backend_only_is_reported():
     problems = differences(
         public_api(_source("gaudi") + extra),
         public_api(_source("emulated")),
-        "gaudi.py",
+        "gaudi",
         "emulated.py",
     )
-    assert problems == ["new_kernel is in gaudi.py but not in emulated.py"]
+    assert problems == ["new_kernel is in gaudi but not in emulated.py"]
 
 
 def test_a_changed_signature_is_reported():
@@ -139,7 +145,7 @@ def test_a_changed_signature_is_reported():
         "def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float)",
     )
     problems = differences(
-        public_api(_source("gaudi")), public_api(emulated_src), "gaudi.py", "emulated.py"
+        public_api(_source("gaudi")), public_api(emulated_src), "gaudi", "emulated.py"
     )
     assert len(problems) == 1 and problems[0].startswith("rms_norm signatures differ")
 

@@ -140,7 +140,7 @@ def test_dropout_is_refused():
 def test_gaudi_fused_sdpa_takes_grouped_query_heads_like_the_emulation(
     gaudi, gaudi_device, dtype, is_causal
 ):
-    # gaudi.py reshapes a grouped-query call into Gaudi's 5-D layout; the result must be the
+    # seam/gaudi reshapes a grouped-query call into Gaudi's 5-D layout; the result must be the
     # emulation's (and the float64 reference's), head for head.
     q, k, v = (t.to(dtype) for t in _qkv(2, 8, 2, 37, 37, dim=64))
     mask = torch.rand(2, 1, 37, 37, generator=torch.Generator().manual_seed(1)) > 0.3

@@ -30,8 +30,9 @@ Ledger of the process-wide patches we apply (the patch sites point here)
    input preparation and copies the sampled tokens to the host on a side stream
    (`AsyncGPUModelRunnerOutput`); all of these fail without CUDA. Can go when vLLM creates them
    through the platform (a device-neutral `torch.Stream(device=...)` or a platform hook).
-3. Triton stand-ins (cuda_stand_ins/triton_kernels.py, registered by `HpuPlatform.register_triton_kernel_
-   overrides` through `vllm.triton_utils.dispatcher.register_kernels`): a plain-torch
+3. Triton stand-ins (cuda_stand_ins/triton_kernels.py, registered by
+   `HpuPlatform.register_triton_kernel_overrides` through
+   `vllm.triton_utils.dispatcher.register_kernels`): a plain-torch
    `ComputeSlotMappingKernel.kernel` (the slot mapping of every step). Why: Gaudi has no Triton,
    and the runner's input preparation launches this kernel on every platform. Not a monkeypatch:
    vLLM's own override registry; the kernel name string is the contract. Can go when vLLM computes
@@ -120,7 +121,7 @@ MLA = "vllm.model_executor.layers.attention.mla_attention"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 
 UPSTREAM: tuple[Upstream, ...] = (
-    # --- the model runner (model_runner.py: HPUModelRunner) -------------------------------------
+    # --- the model runner (model_runner.py: HPUModelRunner) ---------------------------------------
     Upstream(
         f"{RUNNER}._determine_batch_execution_and_padding",
         "HPUModelRunner pads every step to a bucket here (vLLM passes these by name)",
@@ -232,7 +233,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUCommunicator reads use_all2all and rank_in_group, sets all2all_manager",
         mentions=("use_all2all", "all2all_manager", "rank_in_group"),
     ),
-    # --- expert parallelism (ops families/moe.py; tests/integration/parallel_job.py) -----------
+    # --- expert parallelism (ops families/moe.py; tests/integration/parallel_job.py) --------------
     Upstream(
         "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.expert_map.fget",
         "HpuUnquantizedFusedMoEMethod maps global expert ids to this rank's through "
@@ -316,7 +317,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "where this adds the encoder-only layers' group (BERT-style models have no other)",
         mentions=("self.kv_cache_config", "EncoderOnlyAttentionSpec"),
     ),
-    # --- the worker (worker/hpu_worker.py: HPUWorker) -----------------------------------------------------
+    # --- the worker (worker/hpu_worker.py: HPUWorker) ---------------------------------------------
     Upstream(
         "vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",
         "HPUWorker: no CUDA sleep-mode memory pool on HPU",
@@ -339,7 +340,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         params=("moe_config", "capture_fn"),
         mentions=("buffer", "capture_fn"),
     ),
-    # --- attention (attention.py) --------------------------------------------------------------
+    # --- attention (attention.py) -----------------------------------------------------------------
     Upstream(
         "vllm.model_executor.layers.attention.attention:set_default_quant_scales",
         "HPUAttentionImpl reads layer._k_scale/_v_scale for the FP8 KV cache",
@@ -360,7 +361,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUAttentionImpl takes the layer's sink logits as its `sinks` keyword (extra_impl_args)",
         mentions=("extra_impl_args", "sinks"),
     ),
-    # --- MLA (mla.py) -------------------------------------------------------------------------
+    # --- MLA (mla.py) -----------------------------------------------------------------------------
     Upstream(
         f"{MLA}:MLAAttention.forward_impl",
         "HPUMLAImpl.forward_mha runs the whole step: with num_decode_tokens == 0 the layer passes "
@@ -400,14 +401,14 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuPlatform answers with HPUMLAPrefillBackend (MLA layers ask for one when built)",
         params=("mla_selector_config",),
     ),
-    # --- host/device buffers (model_runner.py: _share_host_buffers) ----------------------------
+    # --- host/device buffers (model_runner.py: _share_host_buffers) -------------------------------
     Upstream("vllm.v1.utils:CpuGpuBuffer", "HPUModelRunner._share_host_buffers (.cpu/.gpu)"),
     Upstream(
         "vllm.v1.worker.block_table:MultiGroupBlockTable",
         "HPUModelRunner._share_host_buffers walks input_batch.block_table.block_tables",
         mentions=("block_tables",),
     ),
-    # --- Triton stand-ins (cuda_stand_ins/triton_kernels.py) ------------------------------------------------
+    # --- Triton stand-ins (cuda_stand_ins/triton_kernels.py) --------------------------------------
     Upstream(
         "vllm.triton_utils.dispatcher:register_kernels",
         "triton_kernels.register",
@@ -527,7 +528,8 @@ UPSTREAM: tuple[Upstream, ...] = (
         "hybrid.state_tensors reads the bound states (MambaBase.kv_cache)",
         mentions=("self.kv_cache",),
     ),
-    # EAGLE drafting (cuda_stand_ins/triton_kernels.py EAGLE_KERNELS; spec_decode.py DraftBucketing).
+    # EAGLE drafting (cuda_stand_ins/triton_kernels.py EAGLE_KERNELS; spec_decode.py
+    # DraftBucketing).
     *(
         Upstream(
             f"vllm.v1.spec_decode.utils:{kernel}",
@@ -601,7 +603,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "DraftBucketing.warm runs an MTP layer like an EAGLE head, by these names",
         params=("input_ids", "positions", "hidden_states"),
     ),
-    # --- torch names patched process-wide (see the ledger above) -------------------------------
+    # --- torch names patched process-wide (see the ledger above) ----------------------------------
     Upstream("torch:accelerator.empty_cache", "platform.py routes it to the seam (emulation)"),
     Upstream("torch:accelerator.empty_host_cache", "platform.py routes it to the seam"),
     Upstream("torch:accelerator.synchronize", "platform.py routes it to the seam (emulation)"),
@@ -621,7 +623,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HPUWorker.get_recompile_stats reports use_async_scheduling",
         mentions=("use_async_scheduling",),
     ),
-    # --- ops wheel: private rotary helpers its forward_oot calls -------------------------------
+    # --- ops wheel: private rotary helpers its forward_oot calls ----------------------------------
     Upstream(
         f"{ROTARY}.base:RotaryEmbedding._match_cos_sin_cache_dtype",
         "vllm_gaudi_ops rotary family",
@@ -636,7 +638,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         f"{ROTARY}.fope:FourierRotaryEmbedding._compute_cos_sin_cache",
         "vllm_gaudi_ops rotary family",
     ),
-    # --- quant wheel: 4-bit MoE (methods/uint4.py, gptq.py, compressed_tensors.py) -------------
+    # --- quant wheel: 4-bit MoE (methods/uint4.py, gptq.py, compressed_tensors.py) ----------------
     Upstream(
         "vllm.model_executor.layers.fused_moe.routed_experts:RoutedExperts.weight_loader",
         "vllm_gaudi_quant 4-bit MoE: expert params flagged is_transposed/quant_method; the GPTQ "
@@ -677,7 +679,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "an HPU prefill instance serving another platform: head-major host buffers (README)",
         mentions=("enable_permute_local_kv", "LBHNC", "host_buffer_kv_cache_layout"),
     ),
-    # --- connectors wheel (offload.py) ----------------------------------------------------------
+    # --- connectors wheel (offload.py) ------------------------------------------------------------
     Upstream(
         "vllm.v1.kv_offload.tiering.spec:TieringOffloadingSpec.create_worker",
         "HpuTieringOffloadingSpec.create_worker maps the same shared region with these attributes",
@@ -700,7 +702,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuOffloadingWorker takes its host chunks from the region's rows, one view per tensor",
         params=("tensor_page_size",),
     ),
-    # --- connectors wheel (nixl.py: HpuNixlConnector) -------------------------------------------
+    # --- connectors wheel (nixl.py: HpuNixlConnector) ---------------------------------------------
     Upstream(
         "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler:"
         "NixlBaseConnectorScheduler.__init__",
@@ -827,7 +829,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "HpuNixlConnectorWorker asks the remote rank vLLM's handshake asks first",
         params=("remote_tp_size", "remote_dcp_size"),
     ),
-    # --- multi-LoRA (lora.py: PunicaWrapperHPU; warmup.py: LoRA warmup) -------------------------
+    # --- multi-LoRA (lora.py: PunicaWrapperHPU; warmup.py: LoRA warmup) ---------------------------
     Upstream(
         "vllm.lora.punica_wrapper.punica_base:PunicaWrapperBase._update_base_metadata",
         "PunicaWrapperHPU.update_metadata fills the per-token slots through it",
@@ -869,7 +871,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "lora.punica_wrapper_of reads punica_wrapper_mapping[DEFAULT_LANGUAGE_WRAPPER_KEY]",
         mentions=("punica_wrapper_mapping", "DEFAULT_LANGUAGE_WRAPPER_KEY"),
     ),
-    # --- the stat logger plugin (stat_logger.py: HpuStatLogger) ---------------------------------
+    # --- the stat logger plugin (stat_logger.py: HpuStatLogger) -----------------------------------
     Upstream(
         "vllm.v1.metrics.loggers:StatLoggerManager.__init__",
         "HpuStatLogger (an aggregate logger, built with engine_indexes) comes before vLLM's own "
@@ -892,7 +894,7 @@ UPSTREAM: tuple[Upstream, ...] = (
         "metrics.channel_path: worker and API server name the channel after instance_id",
         mentions=("instance_id",),
     ),
-    # --- writes to other projects' objects (the ledger in this module's docstring) -------------
+    # --- writes to other projects' objects (the ledger in this module's docstring) ----------------
     Upstream(
         f"{RUNNER}.__init__",
         "HPUModelRunner.__init__ raises scheduler_config.max_num_batched_tokens while the base "

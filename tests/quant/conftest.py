@@ -4,14 +4,15 @@ wheels only: nothing here or in the tests imports vllm_gaudi_ops).
 - `emulated` (from the root conftest): the seam's emulated backend for one test, behaving as a
   Gaudi 3 unless VLLM_HPU_EMULATION_GAUDI says otherwise.
 - `hpu_backend` (from the root conftest): the seam's backend for one test, once per backend (the
-  emulation, and gaudi.py over the Habana stand-in off Gaudi); both behave as a Gaudi 3 by default.
+  emulation, and seam/gaudi over the Habana stand-in off Gaudi); both behave as a Gaudi 3 by
+  default.
 - `gaudi2`: `hpu_backend` behaving as a Gaudi 2 (E4M3 saturates at 240, not 448).
 - `as_generation(generation)`: make this test's `hpu_backend` behave as Gaudi `generation` (2 or 3).
 - `relative_error(actual, expected)`: ||actual - expected|| / ||expected|| in float64, the
   measure the tolerances below bound.
 - `job_backend` (module scope, once per backend): for the layer tests that run vLLM's layers in
   a fresh process (`run_python`), the environment and the prelude that make that process's seam
-  resolve to the emulation or to gaudi.py over the Habana stand-in (`job_backend.job(code)`); the
+  resolve to the emulation or to seam/gaudi over the Habana stand-in (`job_backend.job(code)`); the
   prelude also defines `set_generation(generation)` (2 or 3) for the job to call.
 
 Tolerances. FP8 E4M3 keeps 3 mantissa bits: rounding to nearest moves a value by at most 2^-4 of
@@ -82,7 +83,7 @@ def relative_error() -> Callable[[torch.Tensor, torch.Tensor], float]:
 # The layer jobs run in a fresh process (vLLM's parallel state is process-wide), where the
 # `hpu_backend` fixture cannot reach: the prelude does there what it does in-process. Off Gaudi the
 # gaudi param puts the Habana stand-in (tests/habana_standin) on the job's path and points
-# gaudi.py's device facts at the CPU, where the stand-in's memory is. Where a real
+# seam/gaudi's device facts at the CPU, where the stand-in's memory is. Where a real
 # habana_frameworks is installed that param is skipped: the jobs build their tensors on the CPU.
 STANDIN_PATH = Path(__file__).resolve().parents[1] / "habana_standin"
 REAL_GAUDI_SOFTWARE = importlib.util.find_spec("habana_frameworks") is not None

@@ -1,6 +1,6 @@
 """The FP8 kernels of the seam against straightforward references: casts checked against the
 table of every E4M3 value, the GEMM against float64 matmuls of explicitly dequantized operands.
-Each runs on both backends (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in
+Each runs on both backends (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in
 off Gaudi); the emulation's own error messages (shape errors, VLLM_HPU_EMULATION_GAUDI) are
 checked on the emulation only.
 

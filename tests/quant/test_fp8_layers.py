@@ -1,5 +1,5 @@
 """vLLM's `fp8` checkpoints on vLLM's own linear layers, on both backends of the seam (CPU
-emulation, and gaudi.py over the Habana stand-in): checkpoint tensors made by the test packers
+emulation, and seam/gaudi over the Habana stand-in): checkpoint tensors made by the test packers
 (per-tensor, per-channel and block weight scales; static and dynamic activations) are loaded
 through each layer's weight loaders (fused q/k/v and gate/up shards included), processed once,
 and the quantized layer must compute what the float layer computes on the dequantized weights.
@@ -110,7 +110,7 @@ LAYERS = ("qkv", "gate_up", "o", "replicated")
 
 @pytest.fixture(scope="module")
 def all_results(run_python, job_backend):
-    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and seam/gaudi
     over the Habana stand-in off Gaudi)."""
     root = repr(str(Path(__file__).resolve().parents[2]))
     job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))

@@ -1,5 +1,5 @@
 """The FP8 linear's building blocks in `vllm_gaudi_quant.methods.fp8`, on both backends of the
-seam (`hpu_backend`: the emulation, and gaudi.py over the Habana stand-in off Gaudi):
+seam (`hpu_backend`: the emulation, and seam/gaudi over the Habana stand-in off Gaudi):
 the forward other methods reuse (`apply_fp8_linear`), activation quantization, and the load-time
 conversions of block-scaled weights.
 

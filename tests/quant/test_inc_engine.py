@@ -120,7 +120,7 @@ def quantized_fp8_kv(model, calibration):
     return _run_quantized(model, calibration[0] / "quant_config.json", kv_cache_dtype="fp8_inc")
 
 
-# The Gaudi flow: the same commands with seam/gaudi.py over the Habana stand-in, which plays the
+# The Gaudi flow: the same commands with seam/gaudi over the Habana stand-in, which plays the
 # device neural-compressor's HPU path needs (a torch device "hpu", torch.hpu, the device type).
 # The engine's tensors and neural-compressor's live on that device; an op mixing them with CPU
 # tensors is refused. In lazy mode, with HPU graphs.

@@ -25,7 +25,7 @@ import pytest
 from tests.conftest import REAL_GAUDI_SOFTWARE, standin_process_env
 from tests.integration.generation import job_result
 
-# Not marked `gaudi`: the stand-in runs in the job processes, not in this one (the gaudi.py
+# Not marked `gaudi`: the stand-in runs in the job processes, not in this one (the seam/gaudi
 # coverage test reruns the `gaudi` tests in-process).
 GAUDI2_SCALES = {16.0, 1.0, 1 / 16, 1 / 256}
 

@@ -1,9 +1,9 @@
 """gpt-oss in MXFP4 end to end: a tiny gpt-oss whose experts the test packer wrote in gpt-oss's
 MXFP4 checkpoint format (blocks, E8M0 scales, bf16 everything else) is claimed by
 `hpu_quant_mxfp4` and runs every MoE layer on `HpuMxfp4MoEMethod`, in CPU emulation and on
-seam/gaudi.py over the Habana stand-in (HPU graphs), with no recompile after warmup. In
+seam/gaudi over the Habana stand-in (HPU graphs), with no recompile after warmup. In
 emulation its greedy tokens equal the HPU platform's on the bf16 checkpoint of the dequantized
-experts (the same engine with only the MoE method changed); gaudi.py's equal the emulation's;
+experts (the same engine with only the MoE method changed); seam/gaudi's equal the emulation's;
 both stay within vLLM's top-5 rule of what transformers generates from the MXFP4 checkpoint
 itself (read by its own MXFP4 dequantizer).
 
@@ -41,7 +41,7 @@ MAX_TOKENS = 12
 PROMPTS = make_prompts()[:6]  # up to 200 tokens: longer than a block and the 40-token window
 ENGINE = {**COMPILE_ENGINE, "dtype": "bfloat16"}
 LAYERS = 2
-# MXFP4 engine vs the same engine on the dequantized bf16 checkpoint, and gaudi.py vs the
+# MXFP4 engine vs the same engine on the dequantized bf16 checkpoint, and seam/gaudi vs the
 # emulation: measured 0 of 6; one near-tie allowed (the MXFP4 kernels sum in float32 where the
 # bf16 MoE path rounds).
 MAX_DIVERGED_FROM_DEQUANTIZED = 1
@@ -111,7 +111,7 @@ def gaudi_py_run(checkpoints) -> dict:
     return _run({"mxfp4": checkpoints[0]}, env)
 
 
-@pytest.fixture(params=["emulated", "gaudi.py"])
+@pytest.fixture(params=["emulated", "seam/gaudi"])
 def run(request) -> dict:
     name = "emulated_run" if request.param == "emulated" else "gaudi_py_run"
     return request.getfixturevalue(name)
@@ -141,7 +141,7 @@ def test_greedy_tokens_equal_the_engine_on_the_dequantized_checkpoint(emulated_r
 
 def test_gaudi_py_generates_what_the_emulation_generates(emulated_run, gaudi_py_run):
     # The stand-in's MXFP4 kernel and the emulation's compute the same sums in float32.
-    label = "gpt-oss MXFP4 on gaudi.py vs the emulation"
+    label = "gpt-oss MXFP4 on seam/gaudi vs the emulation"
     diverged = assert_close(gaudi_py_run["results"], emulated_run["results"], label)
     print(f"{label}: {diverged} of {len(PROMPTS)} prompts diverged")
     assert diverged <= MAX_DIVERGED_FROM_DEQUANTIZED

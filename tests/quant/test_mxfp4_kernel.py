@@ -1,5 +1,5 @@
 """MXFP4 experts below the method: the test packer against transformers' MXFP4 dequantizer, and
-the seam's `mixture_of_experts_mxfp4` on both backends (the emulation, and gaudi.py over the
+the seam's `mixture_of_experts_mxfp4` on both backends (the emulation, and seam/gaudi over the
 Habana stand-in's `bias_mxfp4_fused_weights`) against a float64 reference on the dequantized
 weights, with gpt-oss's clamped SwiGLU over interleaved gate/up rows and expert biases.
 
@@ -140,7 +140,7 @@ def test_the_emulation_refuses_an_int64_routing_table_as_the_kernel_does(emulate
 
 def test_gaudi_py_runs_the_kernel_in_a_compiled_graph_outside_lazy_mode(gaudi, monkeypatch):
     # The MXFP4 overloads are not in the eager frontend: called directly with PT_HPU_LAZY_MODE=0
-    # the stand-in refuses, as a Gaudi does, and gaudi.py compiles the call with hpu_backend.
+    # the stand-in refuses, as a Gaudi does, and seam/gaudi compiles the call with hpu_backend.
     packed_up, packed_down, b13, b2 = _expert_set(4)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, HIDDEN, generator=gen).to(torch.bfloat16)

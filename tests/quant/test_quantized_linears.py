@@ -1,5 +1,5 @@
 """AWQ, GPTQ and compressed-tensors (WNA16, W8A8-FP8) on vLLM's own linear layers, on both backends
-of the seam (CPU emulation, and gaudi.py over the Habana stand-in): checkpoint tensors made by
+of the seam (CPU emulation, and seam/gaudi over the Habana stand-in): checkpoint tensors made by
 the test packers are loaded through each layer's weight loader (fused q/k/v and gate/up shards
 included), repacked once, and the quantized layer must compute what the float layer computes on
 the dequantized weights. Runs in a fresh process (vLLM's tensor-parallel state is process-wide);
@@ -123,7 +123,7 @@ FP8_ACTIVATION_TOLERANCE = 0.05  # relative norm error; see the module docstring
 
 @pytest.fixture(scope="module")
 def layers_result(run_python, job_backend):
-    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and seam/gaudi
     over the Habana stand-in off Gaudi)."""
     from pathlib import Path
 

@@ -1,6 +1,6 @@
 """AWQ, GPTQ (with and without act-order), compressed-tensors WNA16 and compressed-tensors W8A8-FP8
 (channel and tensor weight scales, dynamic and static activations) mixture-of-experts layers, on
-both backends of the seam (CPU emulation, and gaudi.py over the Habana stand-in): each expert's
+both backends of the seam (CPU emulation, and seam/gaudi over the Habana stand-in): each expert's
 checkpoint tensors, made by the test packers, are loaded through vLLM's own MoE layer
 (`FusedMoEFactory`, Mixtral's w1/w2/w3 names) and its expert loader, repacked once (4-bit) or
 kept FP8, and the quantized layer must compute what a plain torch MoE computes on the dequantized
@@ -319,7 +319,7 @@ FP8_FORMAT_CASES = ("fp8-tensor-static", "fp8-block")  # vLLM's fp8 format, same
 
 @pytest.fixture(scope="module")
 def moe_result(run_python, job_backend):
-    """The job's results on one backend of the seam (`job_backend`: the emulation, and gaudi.py
+    """The job's results on one backend of the seam (`job_backend`: the emulation, and seam/gaudi
     over the Habana stand-in off Gaudi)."""
     root = repr(str(Path(__file__).resolve().parents[2]))
     job = job_backend.job(LAYERS_JOB.replace("__ROOT__", root))

@@ -2,12 +2,12 @@
 
 Put this directory on PYTHONPATH (with VLLM_HPU_EMULATION unset) and the interpreter imports it
 first: the stand-in becomes importable as `habana_frameworks`, so the platform's device probe
-finds a "Gaudi" and the seam resolves to `seam/gaudi.py`, unchanged. The stand-in's torch device
+finds a "Gaudi" and the seam resolves to `seam/gaudi`, unchanged. The stand-in's torch device
 "hpu" is installed (`_torch_device.py`), so the engine's weights, KV cache, activations, index
 tensors and sampled ids live on "hpu" as on a Gaudi, and an op that mixes them with CPU tensors
 is refused as a device refuses it.
 
-One fact of gaudi.py is pointed elsewhere: its collectives backend. The stand-in has no HCCL, so
+One fact of seam/gaudi is pointed elsewhere: its collectives backend. The stand-in has no HCCL, so
 the process group is gloo's (these engines run one device; gloo carries vLLM's host-side
 barriers and broadcasts).
 """

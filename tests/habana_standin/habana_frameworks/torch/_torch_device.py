@@ -2,7 +2,7 @@
 
 Habana's bridge registers a torch device "hpu" when `habana_frameworks.torch` is imported; vLLM's
 runner on a Gaudi, neural-compressor's HPU flow (`model.to("hpu")`, observers on "hpu", `torch.hpu`)
-and `seam/gaudi.py` all work on its tensors. The stand-in's is torch's own HPU device type and
+and `seam/gaudi` all work on its tensors. The stand-in's is torch's own HPU device type and
 dispatch key, where the bridge registers its backend (`_device_backend.cpp`, built with torch's C++
 extension tools at first use and cached): its tensors are plain `torch.Tensor` objects whose device
 is "hpu" and whose storage is host memory, so parameters, views, `data_ptr()`, `set_` and

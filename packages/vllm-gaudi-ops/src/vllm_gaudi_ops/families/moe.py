@@ -26,6 +26,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 )
 
 from vllm_gaudi_ops import stats
+from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     capture_routed_experts,
@@ -33,7 +34,6 @@ from vllm_gaudi_platform.worker.routed_experts import (
     local_expert_ids,
     select_experts,
 )
-from vllm_gaudi_platform.seam import backend
 
 FAMILY = "moe"
 

@@ -3,7 +3,7 @@
 Everything above this package is the same code on a Gaudi and in CPU emulation. Below it there
 are two backends with one API, the `HpuBackend` Protocol of `contract.py`:
 
-- `gaudi.py`: the only module in the tree that imports `habana_frameworks`; thin wrappers over
+- `gaudi/`: the only module in the tree that imports `habana_frameworks`; thin wrappers over
   Gaudi's device runtime and fused kernels.
 - `emulated.py`: the same functions, with the same signatures and semantics, in plain torch on the
   CPU (`VLLM_HPU_EMULATION=cpu`). It is the backend module; the kernels it does not hold itself

@@ -1,8 +1,8 @@
-"""The seam's contract: what every backend (`gaudi.py`, `emulated.py`) provides, typed.
+"""The seam's contract: what every backend (`gaudi/`, `emulated.py`) provides, typed.
 
 `HpuBackend` is a Protocol that both backend MODULES satisfy: the type checker verifies it (see
 the assignments under TYPE_CHECKING in `seam/__init__.py`), and
-`tests/platform/test_seam_contract.py` compares the two modules' public signatures (gaudi.py
+`tests/platform/test_seam_contract.py` compares the two modules' public signatures (seam/gaudi
 parsed, never imported, so the check runs without a Gaudi) with each other and with this
 Protocol. A kernel added to one backend and forgotten in the other, or left out of this Protocol,
 fails CI.

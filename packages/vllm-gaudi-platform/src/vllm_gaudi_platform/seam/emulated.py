@@ -1,6 +1,6 @@
 """CPU emulation of the Gaudi device API and fused kernels, in plain torch.
 
-Each function mirrors the Gaudi function of the same name in `gaudi.py`: same arguments, same
+Each function mirrors the Gaudi function of the same name in `gaudi/`: same arguments, same
 layouts, same results (up to floating-point rounding). Emulation never claims to be a Gaudi:
 `NAME` says what it is.
 
@@ -15,7 +15,7 @@ re-exports the rest of the API from its sibling modules:
 - `emulated_kv_cache.py`: KV block copies, paged decode and MLA (latent attention).
 
 Re-exports use the explicit form `from vllm_gaudi_platform.seam.emulated_x import name as name`:
-`tests/platform/test_seam_contract.py` follows exactly that form to compare them with `gaudi.py`.
+`tests/platform/test_seam_contract.py` follows exactly that form to compare them with `gaudi/`.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def _combine(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- op-family kernels
-# Used by vllm-gaudi-ops. Each mirrors one Gaudi kernel wrapped in gaudi.py (same name, arguments
+# Used by vllm-gaudi-ops. Each mirrors one Gaudi kernel wrapped in seam/gaudi (same name, arguments
 # and semantics); the docstrings state the semantics both backends implement.
 
 ROPE_BLOCKWISE = 0  # RotaryPosEmbeddingMode.BLOCKWISE: rotate the two halves (GPT-NeoX style)

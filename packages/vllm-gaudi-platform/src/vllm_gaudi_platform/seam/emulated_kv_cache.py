@@ -1,7 +1,7 @@
 """Emulated kernels over the KV cache: block copies, paged decode and MLA (latent attention).
 
 Part of the CPU emulation backend (`emulated.py` re-exports every public name here); each mirrors
-the function of the same name in `gaudi.py`. The attention math itself is shared with the Gaudi
+the function of the same name in `gaudi/`. The attention math itself is shared with the Gaudi
 backend (`paged_attention.py`, `latent_attention.py`); here it runs over the used entries only.
 """
 

@@ -1,7 +1,7 @@
 """Emulated mixture-of-experts kernel (an op-family kernel of vllm-gaudi-ops).
 
 Part of the CPU emulation backend (`emulated.py` re-exports every public name here); mirrors the
-Gaudi kernel of the same name wrapped in `gaudi.py`, whose semantics the docstring states.
+Gaudi kernel of the same name wrapped in `gaudi/`, whose semantics the docstring states.
 """
 
 from __future__ import annotations

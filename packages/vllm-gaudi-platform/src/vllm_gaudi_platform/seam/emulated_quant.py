@@ -1,7 +1,7 @@
 """Emulated quantization kernels: 4-bit dequantization, FP8 casts and FP8 GEMM.
 
 Part of the CPU emulation backend (`emulated.py` re-exports every public name here); each mirrors
-the Gaudi kernel of the same name wrapped in `gaudi.py`, whose semantics the docstrings state.
+the Gaudi kernel of the same name wrapped in `gaudi/`, whose semantics the docstrings state.
 """
 
 from __future__ import annotations

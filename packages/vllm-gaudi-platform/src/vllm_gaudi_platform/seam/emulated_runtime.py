@@ -1,7 +1,7 @@
 """Emulated device runtime: device, memory, synchronization, streams and events.
 
 Part of the CPU emulation backend (`emulated.py` re-exports every public name here); each mirrors
-the function or class of the same name in `gaudi.py`.
+the function or class of the same name in `gaudi/`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def gaudi_software_installed() -> bool:
 def _gaudi_device_count() -> tuple[int, str]:
     """(number of Gaudi devices, how that was found). Only called when habana_frameworks exists."""
     try:
-        # gaudi.py is the one module that imports habana_frameworks (and torch with it, which is
+        # seam/gaudi is the one module that imports habana_frameworks (and torch with it, which is
         # fine on a Gaudi software stack).
         from vllm_gaudi_platform.seam import gaudi
     except Exception as exc:

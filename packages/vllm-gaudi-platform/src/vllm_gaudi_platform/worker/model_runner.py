@@ -11,7 +11,8 @@ bucketed step, data-parallel agreement and the HPU graph replay. Beside it in `w
   the drafter, the unquantized linears routed to the seam, the compiled model);
 - `warmup.py`: the warmup driver (`warmup_model`, one bucket's run and forward pass, progress log);
 - `recompiles.py`: the recompile tracker (`RecompileTracker`, `RecompileError`);
-- `cuda_stand_ins/cuda_streams.py`: the CUDA stream/event API routed to the seam (`cuda_streams_on_seam`);
+- `cuda_stand_ins/cuda_streams.py`: the CUDA stream/event API routed to the seam
+  (`cuda_streams_on_seam`);
 - `mixed_steps.py`: a step run as several forward passes (mixed prefill + decode, or prompt rows
   in groups);
 - `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
@@ -42,6 +43,7 @@ from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_m
 from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.observability.step_trace import TraceRecorder
+from vllm_gaudi_platform.seam import backend as seam_backend
 from vllm_gaudi_platform.worker import (
     compiled,
     data_parallel,
@@ -58,7 +60,6 @@ from vllm_gaudi_platform.worker.cuda_stand_ins import mamba_state_copies
 from vllm_gaudi_platform.worker.cuda_stand_ins.cuda_streams import cuda_streams_on_seam
 from vllm_gaudi_platform.worker.recompiles import RecompileTracker
 from vllm_gaudi_platform.worker.rng import RewindableGenerator
-from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
 

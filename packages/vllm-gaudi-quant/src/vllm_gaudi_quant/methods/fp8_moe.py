@@ -26,6 +26,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     ExpertSelection,
@@ -35,7 +36,6 @@ from vllm_gaudi_platform.worker.routed_experts import (
     local_expert_ids,
     select_experts,
 )
-from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_quant.methods.fp8_checkpoint import NAME, _device_range_factor, _wrap_weight_loader
 from vllm_gaudi_quant.methods.fp8_linear import (
     FP8_DTYPE,

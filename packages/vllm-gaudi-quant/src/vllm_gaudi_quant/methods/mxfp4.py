@@ -22,12 +22,12 @@ from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBa
 from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
 from vllm.model_executor.utils import set_weight_attrs
 
+from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_platform.worker.routed_experts import (
     GATHER_COST_AS_STORED,
     gather_max_tokens,
     select_experts,
 )
-from vllm_gaudi_platform.seam import backend
 from vllm_gaudi_quant.methods.fp8_moe import route_to_local_experts
 
 NAME = "gpt_oss_mxfp4"
