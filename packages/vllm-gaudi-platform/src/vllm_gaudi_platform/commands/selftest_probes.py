@@ -44,13 +44,13 @@ def _max_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ----------------------------------------------------------------------------- FusedSDPA masks
 def _raw_sdpa(kernels: Any) -> Callable[..., torch.Tensor]:
-    """FusedSDPA as the device provides it, without the seam's mask conversion; in emulation
-    the emulated kernel (our model of it)."""
+    """FusedSDPA as the device provides it, without the seam's mask conversion (the kernel the
+    Gaudi backend's attention module calls); in emulation the emulated kernel (our model)."""
     if kernels.IS_EMULATED:
         return lambda q, k, v, mask: kernels.fused_sdpa(q, k, v, attn_mask=mask)
-    fused = getattr(kernels, "FusedSDPA", None)
-    if fused is None:
-        raise RuntimeError("FusedSDPA is not reachable through the seam's Gaudi backend")
+    from vllm_gaudi_platform.seam.gaudi import attention
+
+    fused = attention.FusedSDPA
     return lambda q, k, v, mask: fused.apply(q, k, v, mask, 0.0, False, None, "None", None, None,
                                              "left")  # fmt: skip
 
@@ -62,8 +62,9 @@ def _sdpa_mask_probe(mask_kind: str):
         additive = torch.zeros(allowed.shape).masked_fill(~allowed, -1e30)
         mask = allowed if mask_kind == "bool" else additive  # float32 under bf16 queries
         expected = kernels.fused_sdpa(q, k, v, attn_mask=additive.to(torch.bfloat16).to(device))
+        raw = _raw_sdpa(kernels)  # outside the try: an unreachable kernel is no observation
         try:
-            out = _raw_sdpa(kernels)(q, k, v, mask.to(device))
+            out = raw(q, k, v, mask.to(device))
         except Exception as exc:
             return _outcome("no", _refused(exc), "confirms", "keep the conversion")
         error = _max_error(out, expected)
