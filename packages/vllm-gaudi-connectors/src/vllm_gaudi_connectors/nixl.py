@@ -258,7 +258,7 @@ def progress_wait(wait_ms: int) -> Iterator[None]:
     nixl's `nixl_agent.__init__` builds its agent configuration and sets `pthrDelay` (the
     progress thread's poll timeout, in microseconds) to 0, with no parameter to change it; the
     binding's agent constructor is wrapped for the block to set it before the agent and its UCX
-    backend are created. 0 changes nothing. Ledger: tests/platform/test_upstream_contract.py.
+    backend are created. 0 changes nothing. Ledger: patches/nixl_agent.py.
     """
     if wait_ms <= 0:
         yield

@@ -46,10 +46,11 @@ class HPUCommunicator(DeviceCommunicatorBase):
         dist.all_gather(parts, input_, group=self.device_group)
         return torch.cat(parts, dim=dim)
 
-    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        # The parameter keeps the base class's name: vLLM's callers may pass it by keyword.
         self.seam.mark_step()
-        dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
-        return input_
+        dist.broadcast(tensor, src=self.ranks[src], group=self.device_group)
+        return tensor
 
     def all_gatherv(
         self,

@@ -78,7 +78,7 @@ def _route_torch_accelerator_to_seam() -> None:
     device is CPU memory) those calls go to the seam's device. Habana's package registers the
     HPU as torch's accelerator, so on a Gaudi nothing is patched.
 
-    A process-wide patch: the ledger in tests/platform/test_upstream_contract.py says why and
+    A process-wide patch: its ledger entry (patches/torch_accelerator.py) says why and
     when it can go."""
 
     def empty_cache() -> None:  # a distinct function: dynamo keys its handlers on identity

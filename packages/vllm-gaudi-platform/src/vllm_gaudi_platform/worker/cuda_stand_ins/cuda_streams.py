@@ -1,6 +1,6 @@
 """The CUDA stream/event API that vLLM's runner calls, routed to the seam's streams and events
-while `HPUModelRunner.__init__`, `execute_model` and `sample_tokens` run (see the ledger in
-tests/platform/test_upstream_contract.py)."""
+while `HPUModelRunner.__init__`, `execute_model` and `sample_tokens` run (see the ledger
+entry patches/cuda_streams.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def cuda_streams_on_seam() -> Iterator[None]:
         (torch.cuda, "current_stream"): seam.current_stream,
         (torch.cuda, "stream"): seam.stream,
     }
-    # Process-wide, for the duration of the call only (see the ledger in the drift guard).
+    # Process-wide, for the duration of the call only (ledger: patches/cuda_streams.py).
     saved = {key: getattr(*key) for key in patched}
     for (module, name), value in patched.items():
         setattr(module, name, value)

@@ -3,7 +3,7 @@
 Gaudi has no Triton. vLLM lets a platform swap a Triton kernel for a Python callable with the same
 launch arguments (`vllm.triton_utils.dispatcher.register_kernels`); these run on Gaudi and in
 emulation alike. Each kernel name string is a contract with vLLM, checked (with the kernel's
-parameters) by tests/platform/test_upstream_contract.py, whose ledger says when these can go.
+parameters) by the drift guard; the ledger (patches/triton_kernels.py) says when these can go.
 """
 
 from __future__ import annotations
