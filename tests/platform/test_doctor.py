@@ -468,3 +468,37 @@ def test_without_the_quant_wheel_no_method_is_said_to_be_available(capsys, emula
     assert not any(q["installed"] or q["registers"] for q in methods.values())
     assert methods["awq_hpu"]["why_not"] == "not installed: pip install vllm-gaudi-quant"
     assert not any("available" in line and "quant" in line.lower() for line in report["info"])
+
+
+def test_lists_the_weight_transfer_engine_and_the_setting_that_uses_it(capsys, emulation):
+    _, out = run_doctor(capsys)
+    _, report = doctor_json(capsys)
+
+    wt = report["weight_transfer"]
+    assert wt["engine"] == "hpu" and wt["available"] and wt["why_not"] is None
+    assert 'engine hpu: available with weight_transfer_config={"backend": "hpu"}' in out
+
+
+def test_off_hpu_the_weight_transfer_engine_says_why_it_is_not_available(capsys):
+    _, report = doctor_json(capsys)
+
+    wt = report["weight_transfer"]
+    assert not wt["available"]
+    assert wt["why_not"] == "no HPU device (real or emulated): the platform is not active"
+
+
+def test_a_platform_wheel_without_the_entry_point_says_to_reinstall(capsys, emulation, monkeypatch):
+    wheels = [
+        dataclasses.replace(
+            w,
+            entry_points=tuple(ep for ep in w.entry_points if ep.name != "hpu_weight_transfer"),
+        )
+        for w in doctor.installed_wheels()
+    ]
+    monkeypatch.setattr(doctor, "installed_wheels", lambda: wheels)
+
+    _, report = doctor_json(capsys)
+
+    assert report["weight_transfer"]["why_not"] == (
+        "vllm-gaudi-platform declares no hpu_weight_transfer: reinstall it"
+    )

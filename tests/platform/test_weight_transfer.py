@@ -162,3 +162,49 @@ def test_quantized_models_are_refused_naming_the_setting(method):
 def test_unquantized_models_are_accepted():
     config = SimpleNamespace(model_config=SimpleNamespace(quantization=None))
     assert weight_transfer.refusal(config) is None  # type: ignore[arg-type]
+
+
+def test_a_worker_without_the_setting_holds_no_engine():
+    config = SimpleNamespace(weight_transfer_config=None)
+    assert weight_transfer.engine_for_worker(config, torch.device("cpu"), None) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("backend", weight_transfer.CUDA_BACKENDS)
+def test_vllms_cuda_backends_are_refused_on_the_hpu_naming_ours(backend):
+    config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
+    with pytest.raises(ValueError, match=r'weight_transfer_config=\{"backend": "hpu"\}'):
+        weight_transfer.engine_for_worker(config, torch.device("cpu"), None)  # type: ignore[arg-type]
+
+
+class _DeadGroup:
+    """A transfer group whose trainer has gone: every broadcast fails."""
+
+    def broadcast(self, tensor):
+        raise RuntimeError("Connection closed by peer")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(("rank", "raises"), [(0, False), (1, True)])
+def test_a_failed_round_is_raised_by_the_last_worker_only_and_written_by_none(
+    monkeypatch, rank, raises
+):
+    engine = weight_transfer.HpuWeightTransferEngine.__new__(
+        weight_transfer.HpuWeightTransferEngine
+    )
+    engine.group = _DeadGroup()  # type: ignore[assignment]
+    engine.rounds_applied, engine.last_round, engine.last_error = 1, 0, None
+    written: list = []
+    monkeypatch.setattr(engine, "_apply", written.append)
+    vote = SimpleNamespace(world_size=2, rank_in_group=rank, cpu_group=None)
+    monkeypatch.setattr(engine, "_vote_group", lambda: vote)
+    monkeypatch.setattr(engine, "_all_workers_agree", lambda ok: ok)
+    info = weight_transfer.HpuWeightTransferUpdateInfo()
+    if raises:
+        with pytest.raises(RuntimeError, match="no parameter was written on any worker"):
+            engine.receive_weights(info)
+    else:
+        engine.receive_weights(info)  # vLLM's executor hears the failure from the last rank
+    assert written == [] and engine.group is None
+    assert "serves the weights of update round 0" in (engine.last_error or "")

@@ -331,6 +331,34 @@ def _check_quantization(report: Report, wheels: list[Wheel], allowed: list[str] 
             )
 
 
+WEIGHT_TRANSFER_ENTRY_POINT = "hpu_weight_transfer"
+
+
+def _check_weight_transfer(report: Report, wheels: list[Wheel]) -> None:
+    """vLLM's weight-transfer engine "hpu" (in-place weight updates from a trainer): whether an
+    engine started here with weight_transfer_config={"backend": "hpu"} gets it, and why not.
+    VLLM_PLUGINS does not matter: the worker registers it when the setting asks for it."""
+    declared = {ep.name: ep for w in wheels for ep in w.entry_points if ep.group == GENERAL_GROUP}
+    ep = declared.get(WEIGHT_TRANSFER_ENTRY_POINT)
+    why = None
+    if ep is None:
+        why = f"{PLATFORM_WHEEL} declares no {WEIGHT_TRANSFER_ENTRY_POINT}: reinstall it"
+    elif target_present(ep.value) is False:
+        why = f"{ep.value} is missing: reinstall {ep.distribution}"
+    elif not report.versions.get("vllm", {}).get("registers", True):
+        why = "the installed vLLM is outside the supported range: nothing registers"
+    elif not report.device.get("count") and report.device.get("kind") != "emulated-cpu":
+        why = "no HPU device (real or emulated): the platform is not active"
+    report.weight_transfer = {
+        "engine": "hpu",
+        "entry_point": WEIGHT_TRANSFER_ENTRY_POINT,
+        "available": why is None,
+        "why_not": why,
+        "setting": 'weight_transfer_config={"backend": "hpu"}',
+        "trainer_client": "vllm_gaudi_platform.distributed.weight_sender",
+    }
+
+
 def collect() -> Report:
     """Run every check against the installed metadata and the environment."""
     report = Report()
@@ -346,6 +374,7 @@ def collect() -> Report:
     doctor_optional.check_torchvision(report)
     doctor_optional.check_optional(report, wheels)
     _check_quantization(report, wheels, allowed)
+    _check_weight_transfer(report, wheels)
     _check_settings(report)
     _check_defaults(report)
     return report
@@ -407,6 +436,14 @@ def render(report: Report) -> str:
     for q in report.quantization:
         text = f"{q['method']}: " + ("registers" if q["registers"] else q["why_not"])
         lines += _wrap(text, "  quantization  ", " " * 16)
+    wt = report.weight_transfer
+    if wt:
+        text = f"engine {wt['engine']}: " + (
+            f"available with {wt['setting']} (trainer: {wt['trainer_client']})"
+            if wt["available"]
+            else wt["why_not"]
+        )
+        lines += _wrap(text, "  weights sync  ", " " * 16)
     for line in report.info:
         lines += _wrap(line, "  info          ", " " * 16)
     if report.problems:

@@ -38,6 +38,8 @@ class Report:
     # Defaults a selftest report can decide: the value in effect and where it came from
     # (environment, selftest report, built-in default).
     defaults: list[dict[str, Any]] = field(default_factory=list)
+    # vLLM's weight-transfer engine "hpu": available here, and why not.
+    weight_transfer: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     info: list[str] = field(default_factory=list)
 

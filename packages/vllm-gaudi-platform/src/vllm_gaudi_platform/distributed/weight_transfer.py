@@ -151,25 +151,39 @@ class HpuWeightTransferEngine(
         if group is None:
             raise RuntimeError(self._not_connected())
         start = time.perf_counter()
+        error: str | None = None
+        cause: Exception | None = None
+        round_no, tensors = -1, list[tuple[str, torch.Tensor]]()
         try:
             round_no, tensors = weight_wire.receive_round(group)
         except Exception as exc:
-            # A failed gloo group cannot be used again: the caller must init a new one.
+            cause = exc
+            error = (
+                f"weight update failed while receiving from the trainer ({type(exc).__name__}: "
+                f"{exc})"
+            )
+        names = [name for name, _ in tensors]
+        if error is None and update_info.names is not None and list(update_info.names) != names:
+            error = (
+                f"weight update round {round_no}: the trainer sent {len(names)} tensors that are "
+                f"not the {len(update_info.names)} names update_weights announced"
+            )
+        # Every worker of the engine writes the round, or none does: tensor-parallel ranks
+        # holding different weights would serve garbage.
+        if not self._all_workers_agree(error is None):
+            # A failed gloo group cannot be used again: every worker closes its end, and the
+            # caller inits a new group with a live trainer.
             self.shutdown()
             self.last_error = (
-                f"weight update failed while receiving from the trainer ({type(exc).__name__}: "
-                f"{exc}); no parameter was written and the model serves the weights of "
+                f"{error or 'another worker of this engine failed to receive the round'}; no "
+                f"parameter was written on any worker and the model serves the weights of "
                 f"{self._serving()}. The transfer group is closed: call "
                 "init_weight_transfer_engine again with a live trainer."
             )
-            raise RuntimeError(self.last_error) from exc
-        names = [name for name, _ in tensors]
-        if update_info.names is not None and list(update_info.names) != names:
-            self.last_error = (
-                f"weight update round {round_no}: the trainer sent {len(names)} tensors that are "
-                f"not the {len(update_info.names)} names update_weights announced; nothing written"
-            )
-            raise ValueError(self.last_error)
+            if self._reports_failures():
+                raise RuntimeError(self.last_error) from cause
+            logger.error("HPU weight transfer: %s", self.last_error)
+            return
         self._apply(tensors)
         self.rounds_applied += 1
         self.last_round = round_no
@@ -181,6 +195,35 @@ class HpuWeightTransferEngine(
             len(tensors),
             self.last_seconds,
         )
+
+    def _vote_group(self) -> Any:
+        """vLLM's group of the workers one update call reaches (this engine's), or None."""
+        from vllm.distributed import parallel_state
+
+        parallel = self.parallel_config
+        if parallel.world_size == 1 and parallel.data_parallel_size == 1:
+            return None
+        if parallel.data_parallel_size == 1:
+            return parallel_state.get_world_group()
+        if parallel.pipeline_parallel_size == 1:
+            return parallel_state.get_tp_group()
+        return None
+
+    def _all_workers_agree(self, ok: bool) -> bool:
+        group = self._vote_group()
+        if group is None or group.world_size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+        return bool(flag.item())
+
+    def _reports_failures(self) -> bool:
+        """Whether this worker raises a failed round to the caller: the last worker of the vote
+        only. vLLM's multiprocess executor reads the workers' replies in rank order and stops at
+        the first failure, leaving the later ranks' replies queued as answers to the NEXT call;
+        a failure raised by the last rank alone reaches the caller with every reply read."""
+        group = self._vote_group()
+        return group is None or group.rank_in_group == group.world_size - 1
 
     def shutdown(self) -> None:
         if self.group is not None:

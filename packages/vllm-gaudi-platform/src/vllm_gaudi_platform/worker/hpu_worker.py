@@ -67,6 +67,13 @@ class HPUWorker(Worker):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.load_model(load_dummy_weights=load_dummy_weights)
+        # In-place weight updates from a trainer (weight_transfer_config), set up after loading
+        # as vLLM's GPU worker does; None without the setting.
+        from vllm_gaudi_platform.distributed.weight_transfer import engine_for_worker
+
+        self.weight_transfer_engine = engine_for_worker(
+            self.vllm_config, self.device, self.model_runner.get_model()
+        )
         if self.seam.IS_EMULATED:
             # As vLLM's own workers do after loading: one intra-op thread while serving (unless
             # OMP_NUM_THREADS says otherwise), so OpenMP workers do not spin against the engine.
