@@ -194,12 +194,12 @@ def test_the_worker_copies_into_its_cell_of_each_shared_region_row(hpu_backend):
 
 
 REGISTER_TWICE = """
-import vllm_gaudi_connectors
+from vllm_gaudi_connectors import register
 from vllm_gaudi_platform import plugins
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-vllm_gaudi_connectors.register_offload()
+register.offload()
 plugins.OUTCOMES.clear()  # as if a second general-plugin pass ran in this process
-vllm_gaudi_connectors.register_offload()
+register.offload()
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 for name, base in (("HpuCPUOffloadingSpec", CPUOffloadingSpec),
@@ -426,7 +426,7 @@ def offload_registered(monkeypatch):
     (the entry point itself registers nothing off the HPU platform, which this process is)."""
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-    from vllm_gaudi_connectors import OFFLOAD_SPECS
+    from vllm_gaudi_connectors.register import OFFLOAD_SPECS
 
     monkeypatch.setattr(OffloadingSpecFactory, "_registry", dict(OffloadingSpecFactory._registry))
     for name, module, cls in OFFLOAD_SPECS:

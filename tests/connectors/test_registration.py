@@ -15,11 +15,11 @@ from vllm_gaudi_connectors.nixl import (
 REGISTER_TWICE = """
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.config import KVTransferConfig
-import vllm_gaudi_connectors
+from vllm_gaudi_connectors import register
 from vllm_gaudi_platform import plugins
-vllm_gaudi_connectors.register_nixl()
+register.nixl()
 plugins.OUTCOMES.clear()  # as if a second general-plugin pass ran in this process
-vllm_gaudi_connectors.register_nixl()
+register.nixl()
 cls = KVConnectorFactory.get_connector_class(
     KVTransferConfig(kv_connector="HpuNixlConnector", kv_role="kv_producer")
 )

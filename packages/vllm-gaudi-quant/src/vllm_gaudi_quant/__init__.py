@@ -2,15 +2,15 @@
 
 Layout (follow it when adding a method `<method>`):
 
-- `vllm_gaudi_quant/<method>.py`: the entry point, `register()` decorated with
-  `vllm_gaudi_platform.plugins.general_plugin("hpu_quant_<method>")`. It imports nothing heavy at
-  module level (no torch, no vllm: vLLM loads every general plugin in every process) and, inside
-  `register()`, imports vLLM's `register_quantization_config` and the config class and registers
-  it. The decorator makes it idempotent and a no-op off HPU; the body must also be correct in any
-  order against the other methods (register only its own name(s)).
+- `vllm_gaudi_quant/register.py`: the entry points. One line in `METHODS` per method (the name
+  vLLM knows it by, its config class, the optional package it needs) makes
+  `vllm_gaudi_quant.register.<method>` a register function decorated with
+  `vllm_gaudi_platform.plugins.general_plugin("hpu_quant_<method>")`: idempotent, a no-op off HPU,
+  registering only its own name (so correct in any order against the other methods), importing
+  nothing heavy until it runs.
 - `vllm_gaudi_quant/methods/<method>.py`: the heavy code (config class, linear and MoE methods),
   importing torch and vllm freely. Kernels come from `vllm_gaudi_platform.seam.backend()`.
-- `pyproject.toml`: `hpu_quant_<method> = "vllm_gaudi_quant.<method>:register"` under
+- `pyproject.toml`: `hpu_quant_<method> = "vllm_gaudi_quant.register:<method>"` under
   `[project.entry-points."vllm.general_plugins"]`.
 - `tests/quant/`: tests run against this wheel and the platform wheel only (never import
   `vllm_gaudi_ops`); `tests/quant/conftest.py` has the shared fixtures.
