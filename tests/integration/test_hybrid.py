@@ -15,8 +15,8 @@ bucket holds some prompts even alone, and the step's prompts share a row at its 
 which the mixer scans request by request (correct, and counted as recompiles). vLLM's own mixer
 cannot run on this platform (Triton kernels), so equal tokens mean the HPU mixer ran.
 
-A hybrid whose state-space layers are not Mamba2 (a tiny Qwen3-Next: gated delta net layers)
-does not start: the engine refuses it at load, naming the layer class.
+Gated delta net hybrids (Qwen3-Next, Qwen3.5) and the refusal of state layers without HPU
+kernels are test_gdn.py's.
 """
 
 from __future__ import annotations
@@ -125,26 +125,3 @@ def test_prompts_sharing_a_row_are_scanned_one_by_one_and_counted_as_recompiles(
     unwarmed = packed["stats"]["unwarmed_buckets"]
     assert unwarmed and all(b["phase"] == "prompt" for b in unwarmed), unwarmed
     assert packed["stats"]["recompiles"] == len(unwarmed)
-
-
-QWEN3_NEXT = """
-import sys
-sys.path.insert(0, {repo!r})
-from vllm import LLM
-from tests.integration.generation import ENGINE
-from gaudi_testkit import tinymodels
-LLM(model=str(tinymodels.build("qwen3-next")), **ENGINE)
-print("STARTED")
-"""
-
-
-@pytest.mark.engine
-def test_a_gated_delta_net_hybrid_is_refused_at_load_naming_the_layer(run_python):
-    from pathlib import Path
-
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {"VLLM_HPU_EMULATION": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    result = run_python(QWEN3_NEXT.format(repo=repo), {**env, "VLLM_SKIP_WARMUP": "true"})
-    assert result.returncode != 0 and "STARTED" not in result.stdout
-    assert "QwenGatedDeltaNetAttention layers have no HPU implementation" in result.stderr
-    assert "gated delta net" in result.stderr

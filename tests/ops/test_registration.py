@@ -37,7 +37,7 @@ ENTRY_POINTS = _family_entry_points()
 # entry point name -> family (the module in vllm_gaudi_ops/families/)
 FAMILIES = {name: name.removeprefix(FAMILY_PREFIX) for name in ENTRY_POINTS}
 # Families replacing a whole vLLM layer (a PluggableLayer) rather than a CustomOp's forward.
-PLUGGABLE_FAMILIES = {"mamba"}
+PLUGGABLE_FAMILIES = {"mamba", "gdn"}
 
 
 def _family_module(family: str) -> ModuleType:
@@ -147,6 +147,19 @@ with set_current_vllm_config(mamba_config):
 report["built"]["mamba"] = {
     "class": type(mixer).__qualname__,
     "forward": type(mixer).conv_ssm_forward.__qualname__,
+}
+# A gated delta net layer as Qwen3.5's model code builds it, run as a profiling pass runs it.
+from gaudi_testkit import tinymodels
+from vllm.config import ModelConfig
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+gdn_config = VllmConfig(model_config=ModelConfig(str(tinymodels.build("qwen3.5")), dtype="float32"))
+text_config = gdn_config.model_config.hf_text_config
+with set_current_vllm_config(gdn_config):
+    gdn = QwenGatedDeltaNetAttention(text_config, gdn_config, prefix="model.layers.0.linear_attn")
+    with set_forward_context(None, gdn_config):
+        gdn(torch.randn(3, text_config.hidden_size))
+report["built"]["gdn"] = {
+    "class": type(gdn).__qualname__, "forward": type(gdn).forward.__qualname__
 }
 report["counts"] = dict(stats.COUNTS)
 

@@ -275,10 +275,59 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     # Qwen3-Next's shape: gated delta net (linear attention) layers before each full attention
-    # layer, MoE with a shared expert. The HPU platform has no gated-delta-net kernels yet: it
-    # refuses this model at load, naming the layer (tests/integration/test_hybrid.py).
+    # layer (gated, partial rotary), MoE with a shared expert; q/k/v/z projections interleaved
+    # per key-head group (tests/integration/test_gdn.py).
     "qwen3-next": (
         "Qwen3NextConfig",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+        },
+    ),
+    # Qwen3.5's shape (its text model): gated delta net layers (separate q/k/v/z and b/a
+    # projections, two value heads per key head) before a gated full attention layer with
+    # partial rotary (tests/integration/test_gdn.py).
+    "qwen3.5": (
+        "Qwen3_5TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["linear_attention", "linear_attention", "full_attention"],
+            "head_dim": 32,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+        },
+    ),
+    # LFM2's shape: short gated convolutions (state layers without attention) before a full
+    # attention layer. The HPU platform has no short-conv kernels: it refuses this model at load,
+    # naming the layer (tests/integration/test_gdn.py).
+    "lfm2": (
+        "Lfm2Config",
+        {
+            "num_hidden_layers": 2,
+            "layer_types": ["conv", "full_attention"],
+            # vLLM's LFM2 reads these two (transformers 5 dropped them): the hidden size
+            "conv_dim": 128,
+            "block_dim": 128,
+            "block_auto_adjust_ff_dim": False,
+            "block_multiple_of": 64,
+        },
+    ),
+    # Qwen3.5-MoE's: the same layers, MoE feed-forward blocks with a gated shared expert.
+    "qwen3.5-moe": (
+        "Qwen3_5MoeTextConfig",
         {
             "num_hidden_layers": 2,
             "layer_types": ["linear_attention", "full_attention"],

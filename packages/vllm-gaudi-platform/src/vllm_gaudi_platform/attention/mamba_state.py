@@ -1,4 +1,5 @@
-"""The metadata of state-space layers (Mamba2): the HPU backend vLLM is handed for them.
+"""The metadata of state-space layers (Mamba2, gated delta net): the HPU backends vLLM is handed
+for them.
 
 A Mamba layer keeps no paged keys and values: per request it keeps one state slot (conv and SSM
 state) in its KV-cache group, whose block table holds that slot in its first column (vLLM's
@@ -6,8 +7,9 @@ state) in its KV-cache group, whose block table holds that slot in its first col
 the step reads and writes the slot of the block holding its last token. It reads the same step
 layout as the attention layers (prefill rows of one request each, decode cells), so its
 metadata is `HPUAttentionMetadata` built from the step's layout, plus each row's and decode
-cell's state slot (`metadata.state_fields`). The layer itself is the ops wheel's
-`hpu_ops_mamba` family.
+cell's state slot (`metadata.state_fields`). The layers themselves are the ops wheel's
+`hpu_ops_mamba` (Mamba2 mixers) and `hpu_ops_gdn` (gated delta net) families; both read the
+same metadata (a gated delta net layer's slot holds its conv and recurrent states).
 """
 
 from __future__ import annotations
@@ -55,16 +57,17 @@ class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):
         return table.gather(1, index)[:, 0].tolist()
 
 
-class HPUMamba2Backend(AttentionBackend):
-    """What vLLM builds a Mamba2 layer's metadata with on HPU (the layer computes itself)."""
+class HPUStateBackend(AttentionBackend):
+    """What vLLM builds a state-space layer's metadata with on HPU (the layer computes itself):
+    the base of the backends the ops wheel's state-layer families hand vLLM."""
 
     @staticmethod
     def get_name() -> str:
-        return "HPU_MAMBA2"
+        return "HPU_STATE"
 
     @staticmethod
     def get_impl_cls():  # type: ignore[no-untyped-def]
-        raise NotImplementedError("Mamba2 layers compute in their own forward pass")
+        raise NotImplementedError("state-space layers compute in their own forward pass")
 
     @staticmethod
     def get_builder_cls() -> type[HPUStateMetadataBuilder]:
@@ -73,3 +76,19 @@ class HPUMamba2Backend(AttentionBackend):
     @classmethod
     def is_ssm(cls) -> bool:
         return True
+
+
+class HPUMamba2Backend(HPUStateBackend):
+    """Mamba2 mixers (`hpu_ops_mamba`)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "HPU_MAMBA2"
+
+
+class HPUGatedDeltaNetBackend(HPUStateBackend):
+    """Gated delta net layers (`hpu_ops_gdn`)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "HPU_GDN"

@@ -1,5 +1,5 @@
-"""Models with Mamba2 state layers beside attention (Granite 4.0-H, ...): what the runner does
-differently for them.
+"""Models with state layers beside attention (Mamba2: Granite 4.0-H, ...; gated delta net:
+Qwen3-Next, Qwen3.5): what the runner does differently for them.
 
 vLLM's hybrid KV-cache manager gives such a model one KV-cache group per layer kind: the
 attention layers' paged blocks, and per request one state slot per Mamba layer (conv and SSM
@@ -90,27 +90,43 @@ def attention_block_size(groups: list[Any]) -> int:
     return int(groups[0].kv_cache_spec.block_size)
 
 
+# The state-space layers the ops wheel runs on HPU: vLLM's layer class -> its op family's entry
+# point (the layer is replaced when that entry point is installed and loaded).
+STATE_LAYER_FAMILIES = {
+    "MambaMixer2": "hpu_ops_mamba",
+    "QwenGatedDeltaNetAttention": "hpu_ops_gdn",
+}
+
+
 def check_state_layers(model: Any) -> None:
-    """Refuse a model whose state-space layers have no HPU implementation, naming them: vLLM's
-    own would run CUDA (Triton) kernels on their first step."""
+    """Refuse a model whose state-space layers have no HPU implementation, naming them and the
+    fix: vLLM's own would run CUDA (Triton) kernels on their first step."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
 
-    from vllm_gaudi_platform.attention.mamba_state import HPUMamba2Backend
+    from vllm_gaudi_platform.attention.mamba_state import HPUStateBackend
 
     missing = sorted(
         {
             type(m).__name__
             for m in model.modules()
-            if isinstance(m, MambaBase) and m.get_attn_backend() is not HPUMamba2Backend
+            if isinstance(m, MambaBase) and not issubclass(m.get_attn_backend(), HPUStateBackend)
         }
     )
-    if missing:
-        raise ValueError(
-            f"{', '.join(missing)} layers have no HPU implementation: a Mamba2 mixer needs the "
-            "op family hpu_ops_mamba (install vllm-gaudi-ops, and keep hpu_ops_mamba in "
-            "VLLM_PLUGINS if you set it); other state-space layers (Mamba1, gated delta net, "
-            "short conv, ...) have no HPU kernels yet."
+    if not missing:
+        return
+    fixes = [
+        f"{name} needs the op family {STATE_LAYER_FAMILIES[name]} (install vllm-gaudi-ops, and "
+        f"keep {STATE_LAYER_FAMILIES[name]} in VLLM_PLUGINS if you set it)"
+        for name in missing
+        if name in STATE_LAYER_FAMILIES
+    ]
+    unbuilt = [name for name in missing if name not in STATE_LAYER_FAMILIES]
+    if unbuilt:
+        fixes.append(
+            f"{', '.join(unbuilt)}: these state-space layers (Mamba1, short conv, ...) have no "
+            "HPU kernels yet; serve this model on another platform"
         )
+    raise ValueError(f"{', '.join(missing)} layers have no HPU implementation: {'; '.join(fixes)}.")
 
 
 STATE_FIELDS = (
