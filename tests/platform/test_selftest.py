@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from vllm_gaudi_platform import cli, envs, selftest_defaults
+from vllm_gaudi_platform import cli, config_checks, envs, selftest_defaults
 from vllm_gaudi_platform.commands import doctor, selftest, selftest_kernels, selftest_probes
 from vllm_gaudi_platform.worker.routed_experts import GATHER_COST_AS_STORED, gather_max_tokens
 
@@ -184,6 +185,14 @@ def test_a_bad_report_file_is_an_error_naming_the_setting_and_the_fix(
     assert REPORT in str(error.value) and "vllm-gaudi selftest --json" in str(error.value)
     report = doctor.collect()
     assert [p for p in report.problems if REPORT in p and match in p]
+    # And an engine does not start with it, whatever its model (checked before workers spawn).
+    limits = SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512),
+        model_config=SimpleNamespace(max_model_len=512),
+        cache_config=SimpleNamespace(block_size=128),
+    )
+    with pytest.raises(envs.EnvError, match=REPORT):
+        config_checks.check_bucketing(limits)
 
 
 def test_the_float64_reference_is_not_the_emulation(emulated):

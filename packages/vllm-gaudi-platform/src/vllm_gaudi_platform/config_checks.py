@@ -102,6 +102,10 @@ def check_bucketing(vllm_config: VllmConfig) -> None:
     for name in (envs.VLLM_SKIP_WARMUP, envs.VLLM_FULL_WARMUP):
         envs.get_bool(name)
     envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
+    # A selftest report that cannot be read stops startup here too, whatever the model.
+    from vllm_gaudi_platform import selftest_defaults
+
+    selftest_defaults.report_decisions()
 
 
 def check_compile_settings(vllm_config: VllmConfig) -> None:
