@@ -25,7 +25,7 @@ PATCH = Patch(
     can_go="when vLLM's forward context is built per pass by a platform hook.",
     sites=(
         "vllm_gaudi_platform.worker.mixed_steps:forward_in_parts",
-        "vllm_gaudi_platform.worker.model_runner:HPUModelRunner._graph_forward",
+        "vllm_gaudi_platform.worker.hpu_graphs:graph_forward",
         "vllm_gaudi_platform.worker.compiled:CompiledModel.run",
     ),
     scope="call",

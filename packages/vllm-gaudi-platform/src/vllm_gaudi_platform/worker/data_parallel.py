@@ -21,6 +21,8 @@ here is pure Python so it is unit-tested without processes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm_gaudi_platform.attention.step_layout import DecodePart, PrefillPart, StepLayout
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 
@@ -105,3 +107,60 @@ def pad_to_agreed(
         raise ValueError("the agreed shape has no decode part but this rank has one")
     query_lens = layout.query_lens if layout else ()
     return StepLayout(query_lens, prefill, decode)
+
+
+# ---------------------------------------------------------------------- the runner's DP steps
+
+
+def agree(
+    runner: Any, layout: StepLayout | None, ctx_blocks: list[int] | None = None
+) -> StepLayout:
+    """This step's layout in the buckets all DP ranks run: one all-reduce (MAX) of the padded
+    dimensions over the DP group, every step, on every rank."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_dp_group
+
+    shape = torch.tensor(shape_vector(layout, ctx_blocks), dtype=torch.int64)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=get_dp_group().cpu_group)
+    maxima = tuple(int(x) for x in shape.tolist())
+    return pad_to_agreed(layout, maxima, runner.bucket_plan)
+
+
+def tokens_across_dp(runner: Any, num_tokens: int) -> Any:
+    """vLLM's per-DP-rank token counts for the forward context (MoE token exchange): every rank
+    runs the same agreed bucket, so every count is this rank's padded count (None without DP)."""
+    import torch
+
+    size = runner.parallel_config.data_parallel_size
+    if size == 1:
+        return None
+    return torch.full((size,), num_tokens, dtype=torch.int32)
+
+
+def run_idle_step(runner: Any) -> None:
+    """A step of a DP rank without requests while other DP ranks have some: agree on the step's
+    buckets like a busy rank and run them on padding only, so that the MoE token exchange in
+    every layer meets the same collectives, shapes and warmed buckets."""
+    import torch
+
+    from vllm_gaudi_platform.attention.metadata import build_metadata
+
+    with torch.inference_mode():  # as every serving step and warmup run (see warmup.run_bucket)
+        layout = runner._agree_across_dp(None)
+        total = layout.num_tokens_padded
+        if total == 0:
+            return
+        runner.recompiles.record(layout)
+        metadata = build_metadata(
+            layout=layout,
+            seq_lens=[],
+            block_table=torch.zeros(0, 1, dtype=torch.int32),
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=runner.device),
+            block_size=runner.block_size,
+            device=runner.device,
+            image_spans={} if runner.is_mm_prefix_lm else None,
+            state_slots=[] if runner.has_state_layers else None,  # padding: the null slot
+        )
+        runner._forward_with_metadata(metadata, total, 0, capture=False)
+        runner.idle_dp_steps += 1

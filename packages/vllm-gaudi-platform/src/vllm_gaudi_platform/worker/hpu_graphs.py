@@ -273,3 +273,97 @@ class BucketGraphs:
         entry.replays += 1
         self.stats.replays += 1
         return entry.graph.replay(inputs_for(entry.metadata))
+
+
+# ---------------------------------------------------------------------- the runner's graphs
+
+
+def graph_forward(
+    runner: Any,
+    input_ids: torch.Tensor | None,
+    positions: torch.Tensor,
+    metadata: dict[str, HPUAttentionMetadata],
+    inputs_embeds: torch.Tensor | None = None,
+) -> Callable[[], Any]:
+    """The forward pass a graph records: the model on the static token buffers (token ids, or a
+    multimodal model's input embeddings), with the bucket's static attention metadata in the
+    forward context (whoever set the context)."""
+    from vllm.forward_context import get_forward_context
+
+    tokens: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
+    if inputs_embeds is not None:
+        tokens["inputs_embeds"] = inputs_embeds
+
+    def forward() -> Any:
+        context = get_forward_context()
+        saved = context.attn_metadata
+        context.attn_metadata = metadata  # type: ignore[assignment]
+        try:
+            return runner.model(**tokens)
+        finally:
+            context.attn_metadata = saved
+
+    return forward
+
+
+def graph_inputs(
+    runner: Any,
+    input_ids: torch.Tensor | None,
+    positions: torch.Tensor,
+    metadata: dict[str, HPUAttentionMetadata],
+    inputs_embeds: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """Every buffer a graph reads, by name (the emulated Graph checks them at each replay)."""
+    distinct = list({id(md): md for md in metadata.values()}.values())
+    return {
+        "input_ids": input_ids,
+        "inputs_embeds": inputs_embeds,
+        "positions": positions,
+        "attn_metadata": distinct,
+        "kv_caches": [kv for kv in runner.kv_caches if isinstance(kv, torch.Tensor)],
+        # Gathered only when checked (the emulated Graph does, at capture and each replay): the
+        # live parameters and buffers, which sleep mode moves (then recapture).
+        "weights": runner._live_weights,
+    }
+
+
+def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = dict(model.named_parameters())
+    weights.update((f"buffer:{n}", b) for n, b in model.named_buffers())
+    return weights
+
+
+def static_metadata_by_layer(
+    runner: Any, metadata: HPUAttentionMetadata
+) -> dict[str, HPUAttentionMetadata]:
+    """Per-layer static metadata of one bucket: one copy per KV-cache group, since each group's
+    step metadata is written into its own buffers."""
+    from vllm_gaudi_platform.worker import hybrid
+
+    static: dict[str, HPUAttentionMetadata] = {}
+    for group in runner.kv_cache_config.kv_cache_groups:
+        group_md = static_metadata(hybrid.for_group(metadata, group))
+        static.update(dict.fromkeys(group.layer_names, group_md))
+    return static
+
+
+def recapture(runner: Any) -> None:
+    """Capture every bucket's graph again: sleep mode re-allocates the weights and the KV cache,
+    and a graph holds the addresses it was captured with."""
+    import time
+
+    from vllm.logger import init_logger
+
+    from vllm_gaudi_platform.worker import warmup
+
+    if not runner.graphs.graphs:
+        return
+    keys = list(runner.graphs.graphs)
+    runner.graphs.clear()
+    start = time.perf_counter()
+    num_blocks = runner.cache_config.num_gpu_blocks or 0
+    for buckets, packed in keys:
+        warmup.run_bucket(runner, buckets[0], num_blocks, packed=packed)
+    init_logger(f"vllm.{__name__}").info(
+        "HPU graphs: %d recaptured in %.2f s", len(keys), time.perf_counter() - start
+    )

@@ -4,8 +4,8 @@ It reuses vLLM's device-neutral runner (input batch, scheduler bookkeeping, samp
 Gaudi needs: the step layout in bucketed static shapes (`step_layout.py`), the warmup of every
 bucket, and the count of shapes run after warmup that were not warmed ("recompiles").
 
-This module holds the runner class: construction, host/device buffers, the KV cache, the
-bucketed step, data-parallel agreement and the HPU graph replay. Beside it in `worker/`:
+This module holds the runner class: construction, host/device buffers, the KV cache and the
+bucketed step. Beside it in `worker/`:
 
 - `model_loading.py`: what loading adds to vLLM's loader (LoRA, the quantization method's hook,
   the drafter, the unquantized linears routed to the seam, the compiled model);
@@ -16,22 +16,22 @@ bucketed step, data-parallel agreement and the HPU graph replay. Beside it in `w
 - `mixed_steps.py`: a step run as several forward passes (mixed prefill + decode, or prompt rows
   in groups);
 - `vision.py`: the vision encoder one image per pass, its shapes warmed per image size;
-- `hpu_graphs.py`, `data_parallel.py`, `spec_decode.py`, `lora.py`: the per-step helpers.
+- `hpu_graphs.py`: the graphs' capture and replay (the forward pass a graph records, the buffers
+  it reads, recapture after sleep); `data_parallel.py`: one agreed bucket per step for all DP
+  ranks, idle ranks' padding steps; `spec_decode.py`, `lora.py`: the per-step helpers.
 - `hybrid.py`: what changes for a model with Mamba state layers; `rng.py`: seeded sampling's
   rewindable generators.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from vllm.config import CUDAGraphMode, VllmConfig
-from vllm.distributed.parallel_state import get_dp_group, get_pp_group, get_tp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import BatchDescriptor, get_forward_context
 from vllm.logger import init_logger
 from vllm.v1.utils import CpuGpuBuffer
@@ -39,7 +39,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_gaudi_platform import envs, quant_hooks
 from vllm_gaudi_platform.attention import host_tables, step_layout
-from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.bucketing import BucketPlan, plan_from_env, prefill_batch_max
 from vllm_gaudi_platform.observability import metrics as hpu_metrics
 from vllm_gaudi_platform.observability.step_trace import TraceRecorder
@@ -348,44 +348,13 @@ class HPUModelRunner(GPUModelRunner):
     def _agree_across_dp(
         self, layout: step_layout.StepLayout | None, ctx_blocks: list[int] | None = None
     ) -> step_layout.StepLayout:
-        """This step's layout in the buckets all DP ranks run (see data_parallel.py): one
-        all-reduce (MAX) of the padded dimensions over the DP group, every step, on every rank."""
-        vector = data_parallel.shape_vector(layout, ctx_blocks)
-        shape = torch.tensor(vector, dtype=torch.int64)
-        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=get_dp_group().cpu_group)
-        maxima = tuple(int(x) for x in shape.tolist())
-        return data_parallel.pad_to_agreed(layout, maxima, self.bucket_plan)
+        return data_parallel.agree(self, layout, ctx_blocks)
 
     def _num_tokens_across_dp(self, num_tokens: int) -> torch.Tensor | None:
-        """vLLM's per-DP-rank token counts for the forward context (MoE token exchange): every
-        rank runs the same agreed bucket, so every count is this rank's padded count."""
-        size = self.parallel_config.data_parallel_size
-        if size == 1:
-            return None
-        return torch.full((size,), num_tokens, dtype=torch.int32)
+        return data_parallel.tokens_across_dp(self, num_tokens)
 
-    @torch.inference_mode()  # as every serving step and warmup run (see warmup.run_bucket)
     def execute_idle_dp_step(self) -> None:
-        """A step of a DP rank without requests while other DP ranks have some: agree on the
-        step's buckets like a busy rank and run them on padding only, so that the MoE token
-        exchange in every layer meets the same collectives, shapes and warmed buckets."""
-        layout = self._agree_across_dp(None)
-        total = layout.num_tokens_padded
-        if total == 0:
-            return
-        self.recompiles.record(layout)
-        metadata = build_metadata(
-            layout=layout,
-            seq_lens=[],
-            block_table=torch.zeros(0, 1, dtype=torch.int32),
-            slot_mapping=torch.zeros(0, dtype=torch.int64, device=self.device),
-            block_size=self.block_size,
-            device=self.device,
-            image_spans={} if self.is_mm_prefix_lm else None,
-            state_slots=[] if self.has_state_layers else None,  # padding: the null slot
-        )
-        self._forward_with_metadata(metadata, total, 0, capture=False)
-        self.idle_dp_steps += 1
+        data_parallel.run_idle_step(self)
 
     # ------------------------------------------------------------------ HPU graphs
     def _model_forward(
@@ -447,23 +416,7 @@ class HPUModelRunner(GPUModelRunner):
         metadata: dict[str, HPUAttentionMetadata],
         inputs_embeds: torch.Tensor | None = None,
     ) -> Callable[[], Any]:
-        """The forward pass a graph records: the model on the static token buffers (token ids,
-        or a multimodal model's input embeddings), with the bucket's static attention metadata
-        in the forward context (whoever set the context)."""
-        tokens: dict[str, Any] = {"input_ids": input_ids, "positions": positions}
-        if inputs_embeds is not None:
-            tokens["inputs_embeds"] = inputs_embeds
-
-        def forward() -> Any:
-            context = get_forward_context()
-            saved = context.attn_metadata
-            context.attn_metadata = metadata  # type: ignore[assignment]
-            try:
-                return self.model(**tokens)
-            finally:
-                context.attn_metadata = saved
-
-        return forward
+        return hpu_graphs.graph_forward(self, input_ids, positions, metadata, inputs_embeds)
 
     def _graph_inputs(
         self,
@@ -472,45 +425,16 @@ class HPUModelRunner(GPUModelRunner):
         metadata: dict[str, HPUAttentionMetadata],
         inputs_embeds: torch.Tensor | None = None,
     ) -> dict[str, Any]:
-        """Every buffer a graph reads, by name (the emulated Graph checks them at each replay)."""
-        distinct = list({id(md): md for md in metadata.values()}.values())
-        return {
-            "input_ids": input_ids,
-            "inputs_embeds": inputs_embeds,
-            "positions": positions,
-            "attn_metadata": distinct,
-            "kv_caches": [kv for kv in self.kv_caches if isinstance(kv, torch.Tensor)],
-            # Gathered only when checked (the emulated Graph does, at capture and each replay):
-            # the live parameters and buffers, which sleep mode moves (then recapture_graphs).
-            "weights": self._live_weights,
-        }
+        return hpu_graphs.graph_inputs(self, input_ids, positions, metadata, inputs_embeds)
 
     def _live_weights(self) -> dict[str, torch.Tensor]:
-        weights: dict[str, torch.Tensor] = dict(self.model.named_parameters())
-        weights.update((f"buffer:{n}", b) for n, b in self.model.named_buffers())
-        return weights
+        return hpu_graphs.live_weights(self.model)
 
     def _static_metadata(self, metadata: HPUAttentionMetadata) -> dict[str, HPUAttentionMetadata]:
-        """Per-layer static metadata of one bucket: one copy per KV-cache group, since each
-        group's step metadata is written into its own buffers."""
-        static: dict[str, HPUAttentionMetadata] = {}
-        for group in self.kv_cache_config.kv_cache_groups:
-            group_md = hpu_graphs.static_metadata(hybrid.for_group(metadata, group))
-            static.update(dict.fromkeys(group.layer_names, group_md))
-        return static
+        return hpu_graphs.static_metadata_by_layer(self, metadata)
 
     def recapture_graphs(self) -> None:
-        """Capture every bucket's graph again: sleep mode re-allocates the weights and the KV
-        cache, and a graph holds the addresses it was captured with."""
-        if not self.graphs.graphs:
-            return
-        keys = list(self.graphs.graphs)
-        self.graphs.clear()
-        start = time.perf_counter()
-        num_blocks = self.cache_config.num_gpu_blocks or 0
-        for buckets, packed in keys:
-            warmup.run_bucket(self, buckets[0], num_blocks, packed=packed)
-        logger.info("HPU graphs: %d recaptured in %.2f s", len(keys), time.perf_counter() - start)
+        hpu_graphs.recapture(self)
 
     # ------------------------------------------------------------------ warmup (warmup.py)
     def warmup_model(self) -> None:
