@@ -21,12 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_quant.methods.inc import (
-    RECORD_KEY,
-    IncConfigError,
-    model_record,
-    require_neural_compressor,
-)
+from vllm_gaudi_quant.methods.inc import require_neural_compressor
+from vllm_gaudi_quant.methods.inc_settings import RECORD_KEY, IncConfigError, model_record
 
 STATS_PREFIX = "inc_output/measure"  # relative to DIR: the directory can be moved as a whole
 MEASURE_FILE = "measure_config.json"

@@ -20,7 +20,7 @@ SUBCLASSES: tuple[Subclass, ...] = (
         f"{M}.compressed_tensors:HpuCompressedTensorsConfig",
         frozenset({"_moe_method"}) | QUANT_HOOKS,
     ),
-    Subclass(f"{M}.compressed_tensors:HpuWNA16MoE", frozenset({"repack"})),
+    Subclass(f"{M}.ct_schemes:HpuWNA16MoE", frozenset({"repack"})),
     Subclass(f"{M}.fp8_moe:HpuFp8MoEMethod", frozenset({"_dequantized", "_resolve_gather"})),
     Subclass(f"{M}.gptq:HpuGptqConfig", frozenset({"real_zeros"})),
     Subclass(f"{M}.gptq:HpuGptqMoEMethod", frozenset({"repack"})),

@@ -16,7 +16,7 @@ PATCH = Patch(
     sites=(
         "vllm_gaudi_quant.methods.uint4:replace_parameter",
         "vllm_gaudi_quant.methods.uint4:Uint4MoEMethod.process_weights_after_loading",
-        "vllm_gaudi_quant.methods.compressed_tensors:HpuWNA16Uint4.process_weights_after_loading",
+        "vllm_gaudi_quant.methods.ct_schemes:HpuWNA16Uint4.process_weights_after_loading",
         "vllm_gaudi_quant.methods.ct_mxfp4:HpuMxfp4Linear.process_weights_after_loading",
     ),
     scope="object",
