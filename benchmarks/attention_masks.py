@@ -54,7 +54,7 @@ def _metadata(case: Case):
     import torch
 
     from vllm_gaudi_platform.attention import step_layout
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     seq_lens = [c + q for c, q in zip(case.ctx_lens, case.query_lens)]
     layout = step_layout.plan_step(

@@ -112,7 +112,7 @@ def _run_layer(case: Case) -> None:
 
     from vllm_gaudi_platform.attention import step_layout
     from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     heads, dim = 1, 16
     seq = case.cached + case.new_tokens

@@ -93,7 +93,7 @@ def _run(
     same kind run the (unsplit) step one after another on its one metadata, as a model's
     layers do; the last layer's output is returned. `image_spans` (request -> inclusive position
     ranges) makes the step an mm prefix LM's, as vLLM passes them."""
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     n = len(query_lens)
@@ -216,7 +216,7 @@ def test_paged_decode_matches_reference():
 
 
 def test_a_decode_only_step_lays_its_cells_out_in_token_order():
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     lens = [3, 20, 33]
     layout = step_layout.plan_step(

@@ -198,7 +198,7 @@ def test_windowed_decode_keeps_only_blocks_inside_the_window(monkeypatch, window
 
 
 def test_windowed_decode_block_count_comes_from_bucket_and_window(attention):
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
     from vllm_gaudi_platform.attention.step_layout import plan_step
 
     lens = [3, 150, 200]

@@ -32,7 +32,7 @@ def _run_encoder(query_lens, plan, seed=0):
     from vllm.v1.attention.backend import AttentionType
 
     from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     layout = step_layout.plan_step(

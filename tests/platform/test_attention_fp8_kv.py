@@ -29,7 +29,7 @@ def _step(query_lens, ctx_lens, kv_cache_dtype, k_scale, v_scale, seed=0):
     """One step through the backend on a fresh cache of `kv_cache_dtype`; the cached context is
     written the way the backend writes it. Returns (outputs of the real tokens, flat cache)."""
     from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
     from vllm_gaudi_platform.seam import backend
 
     seam = backend()

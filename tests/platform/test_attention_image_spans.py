@@ -72,7 +72,7 @@ def test_a_mixed_step_in_parts_keeps_each_requests_spans():
 def test_text_only_steps_of_an_mm_prefix_model_take_the_masked_path():
     # The branch is fixed per model, not per step (a graph serves both): with no spans, the
     # reach is each query's own position and the result is plain causal attention.
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     out, ref, _ = _run([5, 17], [0, 0], _plan(prompt=[(2, 32, 0)]), image_spans={})
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -102,7 +102,7 @@ def step_layout_of(query_lens):
 
 
 def test_query_reach_marks_each_span_end():
-    from vllm_gaudi_platform.attention.metadata import _query_reach
+    from vllm_gaudi_platform.attention.metadata_builder import _query_reach
 
     # One row, two members back to back: request 0 (ctx 0, 5 new), request 1 (ctx 4, 6 new).
     q_pos = np.array([[0, 1, 2, 3, 4, 4, 5, 6, 7, 8, 9, 0]])

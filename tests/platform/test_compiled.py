@@ -123,7 +123,7 @@ def as_dict_is_json_ready(stats: dict) -> bool:
 
 
 def test_step_metadata_becomes_bucket_shaped():
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
     from vllm_gaudi_platform.attention.step_layout import plan_step
     from vllm_gaudi_platform.bucketing import plan_from_env
 

@@ -130,7 +130,7 @@ def test_attention_of_real_tokens_is_unchanged_by_the_agreed_padding(monkeypatch
 
 
 def test_idle_rank_metadata_is_all_padding():
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     plan = _plan()
     layout = data_parallel.pad_to_agreed(None, (2, 32, 2, 4, 8, 0, 0), plan)

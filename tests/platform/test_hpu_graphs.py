@@ -123,7 +123,7 @@ def _plan(prompt=(), decode=()):
 
 
 def _metadata(query_lens, ctx_lens, plan, table=None):
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     seq_lens = [c + q for c, q in zip(ctx_lens, query_lens)]
     n = len(query_lens)
@@ -271,7 +271,7 @@ def test_a_single_row_prompt_bucket_gets_a_packed_variant_where_packing_changes_
 def test_warmup_layout_of_a_packed_variant_fills_the_bucket_with_two_sequences(
     emulated, ctx_blocks
 ):
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     bucket = Bucket("prompt", 1, 16, ctx_blocks)
     layout, seq_lens = step_layout.layout_for_bucket(bucket, BLOCK, packed=True)

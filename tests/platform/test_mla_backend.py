@@ -77,7 +77,7 @@ def _reference(q, latent, ctx, kv_b_proj):
 def _run(query_lens, ctx_lens, plan, seed=0):
     """One step through the backend; its outputs, the per-request references, the layout, the
     cache and where the new tokens' latent rows should have gone."""
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
     proj = _kv_b_proj(gen)

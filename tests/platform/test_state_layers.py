@@ -11,7 +11,7 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
 
 from vllm_gaudi_platform.attention import step_layout
-from vllm_gaudi_platform.attention.metadata import build_metadata
+from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 from vllm_gaudi_platform.worker import hybrid
 

@@ -31,8 +31,9 @@ Modules, in import order (each imports from the ones below it, never from one ab
   which impl and metadata builder it uses);
 - `impl.py`: `HPUAttentionImpl`, the forward pass: KV-cache writes, prefill with and without
   context, decode, sliding windows, soft-cap, ALiBi, sinks, encoder-only attention, FP8 KV cache;
-- `metadata.py`: `HPUAttentionMetadata` and its builder (`build_metadata`, run on the host every
-  step), with the per-window narrowing of the block gathers and the prefill slice masks;
+- `metadata.py`: `HPUAttentionMetadata`, with the per-window narrowing of the block gathers and
+  the prefill slice masks; `metadata_builder.py`: its builder (`build_metadata`, run on the host
+  every step);
 - `step_layout.py`: the bucketed prefill/decode layout of a step the metadata is built from.
 """
 
@@ -46,7 +47,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_platform.attention.cache_dtypes import HPU_KV_CACHE_DTYPES
 from vllm_gaudi_platform.attention.impl import HPUAttentionImpl
-from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadataBuilder
+from vllm_gaudi_platform.attention.metadata_builder import HPUAttentionMetadataBuilder
 
 
 class HPUAttentionBackend(AttentionBackend):

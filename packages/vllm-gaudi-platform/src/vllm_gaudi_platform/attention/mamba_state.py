@@ -18,7 +18,7 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, CommonAttentionMetadata
 
 from vllm_gaudi_platform.attention import host_tables, step_layout
-from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadataBuilder
+from vllm_gaudi_platform.attention.metadata_builder import HPUAttentionMetadataBuilder
 
 
 class HPUStateMetadataBuilder(HPUAttentionMetadataBuilder):

@@ -36,7 +36,8 @@ from vllm.v1.attention.backends.mla.prefill.base import MLAPrefillBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, HPUAttentionMetadataBuilder
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
+from vllm_gaudi_platform.attention.metadata_builder import HPUAttentionMetadataBuilder
 from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")

@@ -181,7 +181,7 @@ SUBCLASSES: tuple[Subclass, ...] = (
         ),
     ),
     Subclass(
-        f"{P}.attention.metadata:HPUAttentionMetadataBuilder",
+        f"{P}.attention.metadata_builder:HPUAttentionMetadataBuilder",
         frozenset({"block_table", "state_slots"}),
     ),
     Subclass(

@@ -144,7 +144,7 @@ def run_idle_step(runner: Any) -> None:
     every layer meets the same collectives, shapes and warmed buckets."""
     import torch
 
-    from vllm_gaudi_platform.attention.metadata import build_metadata
+    from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     with torch.inference_mode():  # as every serving step and warmup run (see warmup.run_bucket)
         layout = runner._agree_across_dp(None)

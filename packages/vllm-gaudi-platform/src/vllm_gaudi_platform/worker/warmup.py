@@ -20,7 +20,8 @@ from vllm.logger import init_logger
 
 from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.attention import step_layout
-from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata, build_metadata
+from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
+from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 from vllm_gaudi_platform.bucketing import Bucket
 from vllm_gaudi_platform.worker import lora as hpu_lora
 from vllm_gaudi_platform.worker import vision
