@@ -9,9 +9,11 @@ default) and at most 128 new tokens per prompt and step (architectures.HYBRID_EN
 prompts continue from the conv and recurrent states their earlier chunks left in their slot, and
 the second round starts each prompt from the state cached at its last whole block. One job process
 runs the three in emulation with HPU graphs (lazy mode), plus the tiny LFM2, whose short-conv
-layers have no HPU kernels and are refused at load by name. Qwen3.5 also runs on seam/gaudi over
-the Habana stand-in (lazy, the same job as in emulation). A process without the `hpu_ops_gdn`
-entry point (VLLM_PLUGINS trims it) refuses Qwen3.5 naming the entry point.
+layers have no HPU kernels and are refused at load by name. Qwen3.5 also runs compiled
+(PT_HPU_LAZY_MODE=0, the six shorter prompts: every bucket compiled in warmup, none while serving)
+and on seam/gaudi over the Habana stand-in (lazy, the same job as in emulation). A process
+without the `hpu_ops_gdn` entry point (VLLM_PLUGINS trims it) refuses Qwen3.5 naming the entry
+point.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pytest
 from gaudi_testkit import tinymodels
 from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
 from tests.integration.architectures import HYBRID_ENGINE, SEQUENTIAL_JOB
+from tests.integration.compile_job import assert_compiled_only_in_warmup
 from tests.integration.generation import (
+    COMPILE_ENGINE,
     ENGINE,
     assert_close,
     hf_greedy,
@@ -39,6 +43,7 @@ pytestmark = pytest.mark.engine
 NAMES = ("qwen3.5-moe", "qwen3-next", "qwen3.5")
 BLOCK = 128  # the attention block; with prefix caching, states are cached at its boundaries
 MAX_TOKENS = 12
+COMPILED_PROMPTS = 6  # make_prompts()[:6]: at most 200 tokens, within COMPILE_ENGINE's 256
 _REFERENCES: dict[tuple[str, int], list[dict]] = {}
 
 
@@ -74,6 +79,17 @@ def emulated() -> dict[str, dict]:
     jobs["lfm2"] = {**_job("lfm2", ENGINE), "rounds": 1}
     proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), emulate=True, timeout=900)
     return _results(proc, jobs)
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {"PT_HPU_LAZY_MODE": "0"}
+    job = _job("qwen3.5", COMPILE_ENGINE, COMPILED_PROMPTS)
+    # COMPILE_ENGINE's budget: 13 buckets to compile instead of the hybrid budget's 33.
+    job["engine"]["max_num_batched_tokens"] = COMPILE_ENGINE["max_num_batched_tokens"]
+    jobs = {"qwen3.5": job}
+    proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), env, emulate=True, timeout=900)
+    return _results(proc, jobs)["qwen3.5"]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +135,20 @@ def test_hpu_graphs_replay_and_nothing_recompiles_after_warmup(emulated, name):
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["eager_steps"] == 0, stats["eager_buckets"]
     assert stats["graph_replays"] > 0
+
+
+def test_compiled_engine_matches_transformers_and_compiles_only_in_warmup(compiled):
+    result = _served(compiled)
+    for number, outputs in enumerate(result["rounds"], 1):
+        diverged = assert_close(
+            outputs, reference("qwen3.5", COMPILED_PROMPTS), f"compiled, round {number}"
+        )
+        assert diverged == 0
+    assert result["cached_tokens"][1] == _expected_hits(COMPILED_PROMPTS)
+    stats = result["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["compiled_graphs"]["warmup"] > 0
+    assert_compiled_only_in_warmup(stats)
 
 
 @pytest.mark.gaudi

@@ -9,6 +9,7 @@ the HPUModelRunner throughout.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -23,8 +24,8 @@ from vllm_gaudi_platform.attention import step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 from vllm_gaudi_platform.bucketing import Bucket
+from vllm_gaudi_platform.worker import hybrid, vision
 from vllm_gaudi_platform.worker import lora as hpu_lora
-from vllm_gaudi_platform.worker import vision
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -203,7 +204,17 @@ def forward_with_metadata(
     if capture:
         attn_metadata = runner._static_metadata(metadata)
     else:
-        attn_metadata = {name: metadata for name in runner._attention_layer_names()}
+        # Metadata of its own (layout and tensors) per KV-cache group, as serving steps have: a
+        # compiled graph guards an object through the first layer that read it, and tensors
+        # shared between layers by identity, so the groups of a model with state layers sharing
+        # objects here would guard on each other's fields and recompile every bucket in serving.
+        groups = runner.kv_cache_config.kv_cache_groups
+        attn_metadata = {}
+        for group in groups:
+            group_md = hybrid.for_group(metadata, group)
+            if len(groups) > 1:
+                group_md = copy.deepcopy(group_md)
+            attn_metadata.update(dict.fromkeys(group.layer_names, group_md))
     with set_forward_context(
         attn_metadata,
         runner.vllm_config,
