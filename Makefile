@@ -66,10 +66,10 @@ format: setup ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff format .
 
 bench: setup ## benchmarks, side by side ratios
-	$(PY) benchmarks/bucketing.py
-	$(PY) benchmarks/gaudi_roofline.py
-	$(PY) benchmarks/moe_decode.py
-	$(PY) benchmarks/ops.py
-	$(PY) benchmarks/e2e_emulation.py
-	$(PY) benchmarks/host_overhead.py
-	$(PY) benchmarks/host_syncs.py
+	$(PY) -m benchmarks.bucketing
+	$(PY) -m benchmarks.gaudi_roofline
+	$(PY) -m benchmarks.moe_decode
+	$(PY) -m benchmarks.ops
+	$(PY) -m benchmarks.e2e_emulation
+	$(PY) -m benchmarks.host_overhead
+	$(PY) -m benchmarks.host_syncs

@@ -22,7 +22,7 @@ Mixtral-8x7B-shaped model, each in bf16 and FP8 (W8A8). It reports:
 
 Information, not a gate. Ends with one JSON line of the figures.
 
-    python benchmarks/gaudi_roofline.py [--requests N] [--long-requests N] [--seed S]
+    python -m benchmarks.gaudi_roofline [--requests N] [--long-requests N] [--seed S]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
-from _roofline_model import (
+from benchmarks._roofline_model import (
     ACT,
     BF16,
     DEVICES,
@@ -60,8 +60,7 @@ from _roofline_model import (
     step_seconds,
     weight_bytes,
 )
-from bucketing import ENGINES, Engine, Finder, Step, plan_for, synthetic_trace
-
+from benchmarks.bucketing import ENGINES, Engine, Finder, Step, plan_for, synthetic_trace
 from vllm_gaudi_platform.bucketing import Bucket, BucketPlan, graph_count
 
 CONTEXT = 2048  # cached tokens per decoding sequence in the decode table

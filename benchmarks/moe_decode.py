@@ -20,7 +20,7 @@ Then one engine check: a tiny 16-expert Mixtral, prompts one at a time (decode a
 the gather forced off and at its default: greedy tokens must be identical, and the gathered run
 must have gathered. The last line is one JSON object of the figures.
 
-    python benchmarks/moe_decode.py [--repeats N] [--no-engine]
+    python -m benchmarks.moe_decode [--repeats N] [--no-engine]
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from quant import (
+
+from benchmarks.quant import (
     fp8_config,
     fp8_tensors,
     median_ms,
     moe_layer,
     recording_moe_kernels,
 )
-
 from gaudi_testkit.parallel import single_process_parallel
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,22 +8,13 @@ here from the published figures, not against a Gaudi.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
+from benchmarks import _roofline_model as rm
+from benchmarks import gaudi_roofline
+from benchmarks.bucketing import Step
 from vllm_gaudi_platform.bucketing import Bucket
 from vllm_gaudi_platform.seam import contract
-
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-try:
-    import _roofline_model as rm
-    import gaudi_roofline
-    from bucketing import Step
-finally:
-    sys.path.remove(str(BENCHMARKS))
 
 
 def _llama_weights_read_at_decode() -> float:
