@@ -388,6 +388,8 @@ class HpuPlatform(Platform):
             backends = cls._find_non_ssm_backends(vllm_config)
             if backends:
                 cls._align_hybrid_block_size(vllm_config, backends[0])
+        # The block size is final here: a chunked local attention must hold whole blocks.
+        config_checks.check_attention_chunk(vllm_config)
 
     @classmethod
     def log_warnings(cls) -> None:
