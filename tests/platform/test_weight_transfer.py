@@ -208,3 +208,16 @@ def test_a_failed_round_is_raised_by_the_last_worker_only_and_written_by_none(
         engine.receive_weights(info)  # vLLM's executor hears the failure from the last rank
     assert written == [] and engine.group is None
     assert "serves the weights of update round 0" in (engine.last_error or "")
+
+
+def test_an_update_is_refused_while_the_worker_sleeps():
+    engine = weight_transfer.HpuWeightTransferEngine.__new__(
+        weight_transfer.HpuWeightTransferEngine
+    )
+    engine.group = _DeadGroup()  # type: ignore[assignment]
+    engine.last_error = None
+    engine.asleep = lambda: True
+    with pytest.raises(RuntimeError, match=r"asleep \(sleep mode\); call wake_up\(\)"):
+        engine.start_weight_update()
+    engine.asleep = lambda: False
+    engine.start_weight_update()  # awake and connected: the session may start

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +110,8 @@ class HpuWeightTransferEngine(
         self.rebinds_restored = 0
         self.last_error: str | None = None
         self.last_seconds = 0.0
+        # The worker's sleep state, when the worker gives it (engine_for_worker).
+        self.asleep: Callable[[], bool] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def init_transfer_engine(self, init_info: HpuWeightTransferInitInfo) -> None:
@@ -134,6 +137,14 @@ class HpuWeightTransferEngine(
         self.rank = rank
 
     def start_weight_update(self) -> None:
+        if self.asleep is not None and self.asleep():
+            # Asleep, the parameters' storage is off the device (level 1: a host copy that
+            # wake_up copies back; level 2: none, wake_up reloads the checkpoint): a round written
+            # now would be undone by wake_up.
+            raise RuntimeError(
+                "HPU weight transfer: the worker is asleep (sleep mode); call wake_up() before "
+                "start_weight_update, or the update would be lost when it wakes"
+            )
         if self.group is None:
             raise RuntimeError(self._not_connected())
 
@@ -325,10 +336,14 @@ CUDA_BACKENDS = ("nccl", "ipc", "sparse_nccl", "nccl_m2n", "sharded_rdt")
 
 
 def engine_for_worker(
-    vllm_config: VllmConfig, device: torch.device, model: torch.nn.Module
+    vllm_config: VllmConfig,
+    device: torch.device,
+    model: torch.nn.Module,
+    asleep: Callable[[], bool] | None = None,
 ) -> WeightTransferEngine | None:
     """The weight-transfer engine an HPU worker holds after loading its model (what vLLM's GPU
-    worker does in its load_model), or None without `weight_transfer_config`."""
+    worker does in its load_model), or None without `weight_transfer_config`. `asleep` tells
+    whether the worker sleeps (an update is refused then)."""
     config = vllm_config.weight_transfer_config
     if config is None:
         return None
@@ -342,4 +357,7 @@ def engine_for_worker(
     register()  # the entry point did it unless VLLM_PLUGINS left it out; idempotent
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    return WeightTransferEngineFactory.create_engine(config, vllm_config, device, model)
+    engine = WeightTransferEngineFactory.create_engine(config, vllm_config, device, model)
+    if isinstance(engine, HpuWeightTransferEngine):
+        engine.asleep = asleep
+    return engine

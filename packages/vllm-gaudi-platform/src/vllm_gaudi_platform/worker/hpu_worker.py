@@ -72,7 +72,10 @@ class HPUWorker(Worker):
         from vllm_gaudi_platform.distributed.weight_transfer import engine_for_worker
 
         self.weight_transfer_engine = engine_for_worker(
-            self.vllm_config, self.device, self.model_runner.get_model()
+            self.vllm_config,
+            self.device,
+            self.model_runner.get_model(),
+            asleep=lambda: self._sleep.asleep,
         )
         if self.seam.IS_EMULATED:
             # As vLLM's own workers do after loading: one intra-op thread while serving (unless
