@@ -7,13 +7,14 @@ this platform (Triton kernels), so equal tokens mean the HPU layer ran.
 Each engine serves the 10 test prompts (1 to 300 tokens) twice, with prefix caching on (vLLM's
 default) and at most 128 new tokens per prompt and step (architectures.HYBRID_ENGINE): longer
 prompts continue from the conv and recurrent states their earlier chunks left in their slot, and
-the second round starts each prompt from the state cached at its last whole block. One job process
-runs the three in emulation with HPU graphs (lazy mode), plus the tiny LFM2, whose short-conv
-layers have no HPU kernels and are refused at load by name. Qwen3.5 also runs compiled
-(PT_HPU_LAZY_MODE=0, the six shorter prompts: every bucket compiled in warmup, none while serving)
-and on seam/gaudi over the Habana stand-in (lazy, the same job as in emulation). A process
-without the `hpu_ops_gdn` entry point (VLLM_PLUGINS trims it) refuses Qwen3.5 naming the entry
-point.
+the second round starts each prompt from the state cached at its last whole block. One job
+process runs the three in emulation with HPU graphs (lazy mode), Qwen3.5 once more with the test
+engine's 16 sequences (more prompts per step than prompt rows: passes of warmed rows), and the
+tiny LFM2, whose short-conv layers have no HPU kernels and are refused at load by name. Qwen3.5
+also runs compiled (PT_HPU_LAZY_MODE=0, the six shorter prompts: every bucket compiled in warmup,
+none while serving) and on seam/gaudi over the Habana stand-in (lazy, the same job as in
+emulation). A process without the `hpu_ops_gdn` entry point (VLLM_PLUGINS trims it) refuses
+Qwen3.5 naming the entry point.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def _results(proc, names) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def emulated() -> dict[str, dict]:
     jobs = {name: _job(name, ENGINE) for name in NAMES}
+    # The test engine's own budget and 16 sequences: more prompts per step than the 4 prompt
+    # rows, run as passes of warmed rows.
+    jobs["passes"] = {**_job("qwen3.5", ENGINE), "engine": ENGINE, "rounds": 1}
     jobs["lfm2"] = {**_job("lfm2", ENGINE), "rounds": 1}
     proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), emulate=True, timeout=900)
     return _results(proc, jobs)
@@ -135,6 +139,16 @@ def test_hpu_graphs_replay_and_nothing_recompiles_after_warmup(emulated, name):
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["eager_steps"] == 0, stats["eager_buckets"]
     assert stats["graph_replays"] > 0
+
+
+def test_more_prompts_than_rows_run_in_passes_of_warmed_rows(emulated):
+    result = _served(emulated["passes"])
+    diverged = assert_close(result["rounds"][0], reference("qwen3.5"), "qwen3.5, in passes")
+    assert diverged == 0
+    stats = result["stats"]
+    assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
+    assert stats["split_steps"] > 0 and stats["packed_prefills"] == 0
+    assert stats["eager_steps"] == 0, stats["eager_buckets"]
 
 
 def test_compiled_engine_matches_transformers_and_compiles_only_in_warmup(compiled):
