@@ -175,7 +175,7 @@ def hf_greedy(
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
-        model, torch_dtype=getattr(torch, dtype), attn_implementation=attn_implementation
+        model, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
     ).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos=True on the vLLM side
     results = []

@@ -294,6 +294,70 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "shared_expert_intermediate_size": 128,
         },
     ),
+    # The MoE families next to the gated delta net hybrids (test_moe_families.py).
+    # Qwen3-MoE: every layer a MoE of 8 experts, top 2, renormalized.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+        },
+    ),
+    # GLM-4.5: partial rotary (half the head), a dense first layer, then sigmoid-scored routing
+    # with the correction bias (ROUTER_BIASES), a shared expert and a routed scaling factor.
+    "glm4-moe": (
+        "Glm4MoeConfig",
+        {
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+            },
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "num_mtp_layers": 0,
+        },
+    ),
+    # Llama 4 text: top-1 MoE with the router weight on the input and a shared expert, a NoPE
+    # layer after a rotary one with chunked local attention; the chunk (256) holds the tests'
+    # whole contexts (the HPU refuses longer ones: test_attention_chunk.py).
+    "llama4-text": (
+        "Llama4TextConfig",
+        {
+            "head_dim": 32,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 256,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1,
+            "no_rope_layers": [1, 0],
+            "attention_chunk_size": 256,
+            "use_qk_norm": True,
+            "floor_scale": 64,
+        },
+    ),
+    # Gemma 4 text: sliding and full attention layers, its own norms and soft-capping.
+    "gemma4-text": (
+        "Gemma4TextConfig",
+        {
+            "head_dim": 32,
+            "sliding_window": 48,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "vocab_size_per_layer_input": VOCAB_SIZE,
+            "hidden_size_per_layer_input": 16,
+        },
+    ),
     # Qwen3.5's shape (its text model): gated delta net layers (separate q/k/v/z and b/a
     # projections, two value heads per key head) before a gated full attention layer with
     # partial rotary (tests/integration/test_gdn.py).
@@ -353,7 +417,7 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
 RANDOM_BIASES: dict[str, float] = {"gpt-oss": 1.0, "qwen2": 0.25}
 # Models whose MoE router carries a score correction bias (a saved buffer, zeros at
 # initialization): name -> standard deviation of the random bias written there.
-ROUTER_BIASES: dict[str, float] = {"deepseek-v3": 0.1}
+ROUTER_BIASES: dict[str, float] = {"deepseek-v3": 0.1, "glm4-moe": 0.1}
 
 # Models whose attention would not decide a single greedy token at transformers' initialization:
 # Gemma 2 scales its (tied) embeddings by sqrt(hidden_size) and norms each block's output, so the

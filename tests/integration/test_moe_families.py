@@ -1,0 +1,126 @@
+"""The MoE families Gaudi users serve beside the gated delta net hybrids, each a tiny model
+checked against transformers' greedy tokens (vLLM's top-5 rule at a divergence):
+
+- Qwen3-MoE: every layer 8 experts, top 2, renormalized;
+- GLM-4.5 MoE: partial rotary, a dense first layer, sigmoid routing with the correction bias, a
+  shared expert, a routed scaling factor;
+- Llama 4 text: top-1 experts with the router weight on the input, a shared expert, a NoPE layer
+  after a rotary one (chunked local attention with one chunk per context: test_attention_chunk.py
+  says why longer contexts are refused);
+- Gemma 4 text: sliding and full attention layers, per-layer inputs.
+
+Each runs on the emulation with HPU graphs (lazy mode), on seam/gaudi over the Habana stand-in
+(its device "hpu", HPU graphs) and, the MoE ones with experts over every layer, with
+torch.compile (every graph compiled in warmup, none after; see KINDS for the two that are not);
+every engine of one kind shares one process. 0 recompiles after warmup everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+
+import pytest
+
+from tests.conftest import REAL_GAUDI_SOFTWARE, STANDIN_ENGINE_ENV
+from tests.integration.architectures import SEQUENTIAL_JOB
+from tests.integration.compile_job import assert_compiled_only_in_warmup
+from tests.integration.generation import (
+    COMPILE_ENGINE,
+    assert_close,
+    hf_greedy,
+    make_prompts,
+    named_job_outputs,
+    run_job,
+)
+
+pytestmark = [pytest.mark.engine]
+
+MODELS = ("qwen3-moe", "glm4-moe", "llama4-text", "gemma4-text")
+MAX_TOKENS = 8
+# Compiled: Qwen3-MoE and GLM-4.5 MoE. Llama 4 text and Gemma 4 text generate transformers'
+# tokens compiled too, but 7 of their warmed buckets compile again in serving (dynamo's guards
+# on the metadata of their second KV-cache group: chunked local and sliding layers beside full
+# ones) - not yet fixed, so they run with HPU graphs only here.
+KINDS: dict[str, dict] = {
+    "emulated, HPU graphs": {"env": {"PT_HPU_LAZY_MODE": "1"}, "models": MODELS},
+    "emulated, torch.compile": {
+        "env": {"PT_HPU_LAZY_MODE": "0"},
+        "models": ("qwen3-moe", "glm4-moe"),
+    },
+    "gaudi over the stand-in, HPU graphs": {
+        "env": {"PT_HPU_LAZY_MODE": "1", **STANDIN_ENGINE_ENV},
+        "models": MODELS,
+    },
+}
+CASES = [(kind, name) for kind, spec in KINDS.items() for name in spec["models"]]
+
+
+def prompts() -> list[list[int]]:
+    return make_prompts()[:6]
+
+
+@cache
+def path(name: str) -> str:
+    from gaudi_testkit import tinymodels
+
+    return str(tinymodels.build(name))
+
+
+@cache
+def reference(name: str) -> list[dict]:
+    return hf_greedy(path(name), prompts(), max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, dict[str, dict]]:
+    """Every model's engine, per kind of run: one process per kind."""
+    results: dict[str, dict[str, dict]] = {}
+    for kind, spec in KINDS.items():
+        if "stand-in" in kind and REAL_GAUDI_SOFTWARE:
+            continue  # the stand-in does not load beside a real Gaudi stack
+        jobs = {
+            name: {
+                "model": path(name),
+                "prompts": prompts(),
+                "max_tokens": MAX_TOKENS,
+                "engine": COMPILE_ENGINE,
+                "rounds": 1,
+                "stats": True,
+            }
+            for name in KINDS[kind]["models"]
+        }
+        proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), spec["env"], timeout=300 * len(jobs))
+        outputs = named_job_outputs(proc)
+        results[kind] = {
+            name: outputs.get(name, {"error": f"job ended first:\n{proc.stderr[-6000:]}"})
+            for name in jobs
+        }
+    return results
+
+
+def _run(runs: dict, kind: str, name: str) -> dict:
+    if kind not in runs:
+        pytest.skip("the stand-in does not load beside a real Gaudi stack (no Gaudi here to skip)")
+    result = runs[kind][name]
+    assert "error" not in result, result["error"]
+    return result
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_greedy_tokens_match_transformers(runs, kind, name):
+    result = _run(runs, kind, name)
+
+    diverged = assert_close(result["rounds"][0], reference(name), f"{name} ({kind})")
+    assert diverged <= 1, f"{name} ({kind}): {diverged} of 6 prompts diverged (near-ties)"
+
+
+@pytest.mark.parametrize(("kind", "name"), CASES)
+def test_serving_runs_warmed_shapes_only(runs, kind, name):
+    stats = _run(runs, kind, name)["stats"]
+
+    assert stats["recompiles"] == 0
+    if "torch.compile" in kind:
+        assert_compiled_only_in_warmup(stats)
+    else:
+        assert stats["graphs_enabled"] and stats["num_graphs"] > 0
