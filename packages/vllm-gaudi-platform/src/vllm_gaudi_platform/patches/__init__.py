@@ -209,6 +209,16 @@ SUBCLASSES: tuple[Subclass, ...] = (
     Subclass(f"{P}.communicator:HPUCommunicator", frozenset({"_all_gatherv_one"})),
     Subclass(
         f"{P}.distributed.weight_transfer:HpuWeightTransferEngine",
-        frozenset({"_apply", "_serving", "_not_connected", "report"}),
+        frozenset(
+            {
+                "_apply",
+                "_serving",
+                "_not_connected",
+                "report",
+                "_all_workers_agree",
+                "_reports_failures",
+                "_vote_group",
+            }
+        ),
     ),
 )

@@ -14,10 +14,10 @@ from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environmen
 from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_gaudi_platform import envs
+from vllm_gaudi_platform.seam import backend as seam_backend
 from vllm_gaudi_platform.worker import sleep_mode
 from vllm_gaudi_platform.worker.compiled import configure_dynamo
 from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
-from vllm_gaudi_platform.seam import backend as seam_backend
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -222,7 +222,7 @@ class HPUWorker(Worker):
         """Warmup time and recompile count, for tests, logs and collective_rpc callers."""
         runner = self.model_runner
         return {
-            "seam": runner.seam.NAME,  # "gaudi" (seam/gaudi.py) or "emulated on cpu"
+            "seam": runner.seam.NAME,  # "gaudi" (seam/gaudi) or "emulated on cpu"
             "kv_cache_devices": sorted({str(kv.device.type) for kv in self._kv_cache_tensors()}),
             "recompiles": runner.recompiles.count,
             "async_scheduling": runner.use_async_scheduling,
