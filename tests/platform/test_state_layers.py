@@ -166,28 +166,48 @@ def test_attention_groups_get_warmups_metadata_without_the_state_slots():
     assert hybrid.attention_block_size([mamba, attention]) == BLOCK
 
 
-def test_a_state_layer_without_an_hpu_implementation_is_refused_naming_it_and_the_family():
+def _state_layer(name: str) -> torch.nn.Module:
+    """A state-space layer class named `name` that keeps vLLM's own backend (CUDA kernels), as a
+    layer does when no op family of the ops wheel replaced it."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
     from vllm.v1.attention.backends.mamba2_attn import Mamba2AttentionBackend
 
-    class ShortConv(MambaBase, torch.nn.Module):  # vLLM's own backend: CUDA kernels
-        def get_state_shape(self):
-            return ((3, 8),)
+    def get_state_shape(self):
+        return ((3, 8),)
 
-        def get_state_dtype(self):
-            return (torch.float32,)
+    def get_state_dtype(self):
+        return (torch.float32,)
 
-        @property
-        def mamba_type(self):
-            return "short_conv"
+    cls = type(
+        name,
+        (MambaBase, torch.nn.Module),
+        {
+            "get_state_shape": get_state_shape,
+            "get_state_dtype": get_state_dtype,
+            "mamba_type": property(lambda self: "short_conv"),
+            "get_attn_backend": lambda self: Mamba2AttentionBackend,
+        },
+    )
+    return cls()
 
-        def get_attn_backend(self):
-            return Mamba2AttentionBackend
 
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), ShortConv())
-    with pytest.raises(ValueError, match=r"ShortConv layers .*hpu_ops_mamba.*VLLM_PLUGINS"):
+def test_a_state_layer_without_hpu_kernels_is_refused_naming_it():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), _state_layer("ShortConv"))
+    with pytest.raises(
+        ValueError, match=r"ShortConv layers have no HPU implementation.*no HPU kernels yet"
+    ):
         hybrid.check_state_layers(model)
     hybrid.check_state_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))  # nothing to refuse
+
+
+@pytest.mark.parametrize(
+    ("layer", "family"),
+    [("MambaMixer2", "hpu_ops_mamba"), ("QwenGatedDeltaNetAttention", "hpu_ops_gdn")],
+)
+def test_a_state_layer_whose_family_did_not_load_is_refused_naming_the_family(layer, family):
+    model = torch.nn.Sequential(_state_layer(layer))
+    with pytest.raises(ValueError, match=rf"{layer} needs the op family {family}.*VLLM_PLUGINS"):
+        hybrid.check_state_layers(model)
 
 
 def _config(speculative=None, prefix_caching=True, chunked_prefill=True):
