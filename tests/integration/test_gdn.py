@@ -11,10 +11,11 @@ the second round starts each prompt from the state cached at its last whole bloc
 process runs the three in emulation with HPU graphs (lazy mode), Qwen3.5 once more with the test
 engine's 16 sequences (more prompts per step than prompt rows: passes of warmed rows), and the
 tiny LFM2, whose short-conv layers have no HPU kernels and are refused at load by name. Qwen3.5
-also runs compiled (PT_HPU_LAZY_MODE=0, the six shorter prompts: every bucket compiled in warmup,
-none while serving) and on seam/gaudi over the Habana stand-in (lazy, the same job as in
-emulation). A process without the `hpu_ops_gdn` entry point (VLLM_PLUGINS trims it) refuses
-Qwen3.5 naming the entry point.
+and Qwen3.5-MoE also run compiled (PT_HPU_LAZY_MODE=0, the six shorter prompts: every bucket
+compiled in warmup, none while serving) and on seam/gaudi over the Habana stand-in (lazy, the same
+job as in emulation), the two models one after the other in one process for each. A process
+without the `hpu_ops_gdn` entry point (VLLM_PLUGINS trims it) refuses Qwen3.5 naming the entry
+point.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.engine
 # MoE models first: an engine of a dense model before them in the same process leaves vLLM's
 # parallel groups without the expert-parallel group they need.
 NAMES = ("qwen3.5-moe", "qwen3-next", "qwen3.5")
+QWEN3_5 = ("qwen3.5-moe", "qwen3.5")  # compiled and on the stand-in too (in this order, as above)
 BLOCK = 128  # the attention block; with prefix caching, states are cached at its boundaries
 MAX_TOKENS = 12
 COMPILED_PROMPTS = 6  # make_prompts()[:6]: at most 200 tokens, within COMPILE_ENGINE's 256
@@ -86,24 +88,26 @@ def emulated() -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict:
+def compiled() -> dict[str, dict]:
     env = {"PT_HPU_LAZY_MODE": "0"}
-    job = _job("qwen3.5", COMPILE_ENGINE, COMPILED_PROMPTS)
-    # COMPILE_ENGINE's budget: 13 buckets to compile instead of the hybrid budget's 33.
-    job["engine"]["max_num_batched_tokens"] = COMPILE_ENGINE["max_num_batched_tokens"]
-    jobs = {"qwen3.5": job}
+    jobs = {}
+    for name in QWEN3_5:
+        job = _job(name, COMPILE_ENGINE, COMPILED_PROMPTS)
+        # COMPILE_ENGINE's budget: 13 buckets to compile instead of the hybrid budget's 33.
+        job["engine"]["max_num_batched_tokens"] = COMPILE_ENGINE["max_num_batched_tokens"]
+        jobs[name] = job
     proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), env, emulate=True, timeout=900)
-    return _results(proc, jobs)["qwen3.5"]
+    return _results(proc, jobs)
 
 
 @pytest.fixture(scope="module")
-def gaudi() -> dict:
+def gaudi() -> dict[str, dict]:
     if REAL_GAUDI_SOFTWARE:
         pytest.skip("the stand-in does not load beside a real Gaudi stack")
     env = {"PT_HPU_LAZY_MODE": "1", **STANDIN_ENGINE_ENV}
-    jobs = {"qwen3.5": _job("qwen3.5", ENGINE)}
+    jobs = {name: _job(name, ENGINE) for name in QWEN3_5}
     proc = run_job(SEQUENTIAL_JOB, json.dumps(jobs), env, timeout=900)
-    return _results(proc, jobs)["qwen3.5"]
+    return _results(proc, jobs)
 
 
 def _served(result: dict) -> dict:
@@ -151,11 +155,12 @@ def test_more_prompts_than_rows_run_in_passes_of_warmed_rows(emulated):
     assert stats["eager_steps"] == 0, stats["eager_buckets"]
 
 
-def test_compiled_engine_matches_transformers_and_compiles_only_in_warmup(compiled):
-    result = _served(compiled)
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_compiled_engine_matches_transformers_and_compiles_only_in_warmup(compiled, name):
+    result = _served(compiled[name])
     for number, outputs in enumerate(result["rounds"], 1):
         diverged = assert_close(
-            outputs, reference("qwen3.5", COMPILED_PROMPTS), f"compiled, round {number}"
+            outputs, reference(name, COMPILED_PROMPTS), f"{name} compiled, round {number}"
         )
         assert diverged == 0
     assert result["cached_tokens"][1] == _expected_hits(COMPILED_PROMPTS)
@@ -166,12 +171,16 @@ def test_compiled_engine_matches_transformers_and_compiles_only_in_warmup(compil
 
 
 @pytest.mark.gaudi
-def test_gaudi_py_over_the_stand_in_serves_transformers_tokens_and_the_same_hits(emulated, gaudi):
-    ours, theirs = _served(emulated["qwen3.5"]), _served(gaudi)
+@pytest.mark.parametrize("name", QWEN3_5)
+def test_gaudi_py_over_the_stand_in_serves_transformers_tokens_and_the_same_hits(
+    emulated, gaudi, name
+):
+    ours, theirs = _served(emulated[name]), _served(gaudi[name])
     assert theirs["cached_tokens"] == ours["cached_tokens"]
     for number, outputs in enumerate(theirs["rounds"], 1):
-        diverged = assert_close(outputs, reference("qwen3.5"), f"stand-in, round {number}")
+        diverged = assert_close(outputs, reference(name), f"{name} on the stand-in, round {number}")
         assert diverged == 0
+    assert theirs["stats"]["eager_steps"] == 0, theirs["stats"]["eager_buckets"]
     assert theirs["stats"]["recompiles"] == 0, theirs["stats"]["unwarmed_buckets"]
 
 
