@@ -10,9 +10,10 @@ checked against transformers' greedy tokens (vLLM's top-5 rule at a divergence):
 - Gemma 4 text: sliding and full attention layers, per-layer inputs.
 
 Each runs on the emulation with HPU graphs (lazy mode), on seam/gaudi over the Habana stand-in
-(its device "hpu", HPU graphs) and, the MoE ones with experts over every layer, with
-torch.compile (every graph compiled in warmup, none after; see KINDS for the two that are not);
-every engine of one kind shares one process. 0 recompiles after warmup everywhere.
+(its device "hpu", HPU graphs) and with torch.compile (every graph compiled in warmup, none
+after: Llama 4's chunked local layers and Gemma 4's sliding layers get metadata objects of their
+own beside the full-attention layers', in warmup as in serving); every engine of one kind shares
+one process. 0 recompiles after warmup everywhere.
 """
 
 from __future__ import annotations
@@ -38,16 +39,9 @@ pytestmark = [pytest.mark.engine]
 
 MODELS = ("qwen3-moe", "glm4-moe", "llama4-text", "gemma4-text")
 MAX_TOKENS = 8
-# Compiled: Qwen3-MoE and GLM-4.5 MoE. Llama 4 text and Gemma 4 text generate transformers'
-# tokens compiled too, but 7 of their warmed buckets compile again in serving (dynamo's guards
-# on the metadata of their second KV-cache group: chunked local and sliding layers beside full
-# ones) - not yet fixed, so they run with HPU graphs only here.
 KINDS: dict[str, dict] = {
     "emulated, HPU graphs": {"env": {"PT_HPU_LAZY_MODE": "1"}, "models": MODELS},
-    "emulated, torch.compile": {
-        "env": {"PT_HPU_LAZY_MODE": "0"},
-        "models": ("qwen3-moe", "glm4-moe"),
-    },
+    "emulated, torch.compile": {"env": {"PT_HPU_LAZY_MODE": "0"}, "models": MODELS},
     "gaudi over the stand-in, HPU graphs": {
         "env": {"PT_HPU_LAZY_MODE": "1", **STANDIN_ENGINE_ENV},
         "models": MODELS,

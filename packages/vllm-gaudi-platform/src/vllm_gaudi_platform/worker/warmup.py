@@ -185,6 +185,15 @@ def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = F
         runner.draft_bucketing.warm(dict.fromkeys(layers, metadata), total)
 
 
+def _attention_group_layers(runner: Any, gid: int, group: Any) -> list[list[str]]:
+    """The layer names of each attention group (one metadata object in serving) of KV-cache
+    group `gid`; the whole group when the runner has not formed attention groups."""
+    attn_groups = getattr(runner, "attn_groups", None)
+    if not attn_groups or gid >= len(attn_groups) or not attn_groups[gid]:
+        return [list(group.layer_names)]
+    return [list(g.layer_names) for g in attn_groups[gid]]
+
+
 def forward_with_metadata(
     runner: Any,
     metadata: HPUAttentionMetadata,
@@ -204,17 +213,24 @@ def forward_with_metadata(
     if capture:
         attn_metadata = runner._static_metadata(metadata)
     else:
-        # Metadata of its own (layout and tensors) per KV-cache group, as serving steps have: a
-        # compiled graph guards an object through the first layer that read it, and tensors
-        # shared between layers by identity, so the groups of a model with state layers sharing
-        # objects here would guard on each other's fields and recompile every bucket in serving.
+        # Metadata of its own (layout and tensors) per attention group of each KV-cache group,
+        # as serving steps have (vLLM builds one per group of layers sharing a backend and a
+        # cache spec): a compiled graph guards an object through the first layer that read it,
+        # and which layers share it by identity, so layers sharing one object here and not in
+        # serving (state and attention groups; Gemma 4's sliding and full layers, Llama 4's
+        # chunked and global ones) would recompile every bucket in serving.
         groups = runner.kv_cache_config.kv_cache_groups
+        layer_sets = [
+            (group, names)
+            for gid, group in enumerate(groups)
+            for names in _attention_group_layers(runner, gid, group)
+        ]
         attn_metadata = {}
-        for group in groups:
+        for group, names in layer_sets:
             group_md = hybrid.for_group(metadata, group)
-            if len(groups) > 1:
+            if len(layer_sets) > 1:
                 group_md = copy.deepcopy(group_md)
-            attn_metadata.update(dict.fromkeys(group.layer_names, group_md))
+            attn_metadata.update(dict.fromkeys(names, group_md))
     with set_forward_context(
         attn_metadata,
         runner.vllm_config,
