@@ -95,6 +95,8 @@ RUNTIME_CALLS: dict[str, Callable[[Any], Any]] = {
     "device_name": lambda k: k.device_name(0),
     "mem_get_info": lambda k: list(k.mem_get_info()),
     "memory_allocated": lambda k: k.memory_allocated(),
+    "reset_peak_memory_stats": lambda k: k.reset_peak_memory_stats(),
+    "max_memory_allocated": lambda k: k.max_memory_allocated(),
     "synchronize": lambda k: k.synchronize(),
     "mark_step": lambda k: k.mark_step(),
 }

@@ -136,6 +136,7 @@ SUBCLASSES: tuple[Subclass, ...] = (
                 "get_recompile_stats",
                 "set_compiled_forward",
                 "get_sleep_report",
+                "get_memory_report",
                 "finalize_calibration",
                 "_sleep",
                 "_kv_cache_tensors",

@@ -138,6 +138,22 @@ UPSTREAM: tuple[Upstream, ...] = (
         "warmup.py runs a pooling model's forward pass with the kwargs vLLM builds here",
         keywords=("num_reqs",),
     ),
+    Upstream(
+        f"{RUNNER}._init_minimal_kv_cache_for_profiling",
+        "worker/profiling.py profiles the largest prompt bucket over this minimal KV cache "
+        "(state slots included), built through HPUModelRunner.initialize_kv_cache",
+        mentions=("self.initialize_kv_cache", "is_profiling=True"),
+    ),
+    Upstream(
+        f"{RUNNER}._cleanup_profiling_kv_cache",
+        "worker/profiling.py drops the minimal KV cache after its profile pass",
+        mentions=("self.kv_caches", "kv_cache_config", "layer.kv_cache"),
+    ),
+    Upstream(
+        f"{RUNNER}.profile_run",
+        "HPUModelRunner.profile_run runs vLLM's after its own profile pass",
+        mentions=("_dummy_run", "is_profile=True"),
+    ),
 )
 
 PATCH = Patch(

@@ -47,8 +47,12 @@ from vllm_gaudi_platform.seam.emulated_runtime import current_stream as current_
 from vllm_gaudi_platform.seam.emulated_runtime import device_count as device_count
 from vllm_gaudi_platform.seam.emulated_runtime import device_name as device_name
 from vllm_gaudi_platform.seam.emulated_runtime import mark_step as mark_step
+from vllm_gaudi_platform.seam.emulated_runtime import max_memory_allocated as max_memory_allocated
 from vllm_gaudi_platform.seam.emulated_runtime import mem_get_info as mem_get_info
 from vllm_gaudi_platform.seam.emulated_runtime import memory_allocated as memory_allocated
+from vllm_gaudi_platform.seam.emulated_runtime import (
+    reset_peak_memory_stats as reset_peak_memory_stats,
+)
 from vllm_gaudi_platform.seam.emulated_runtime import set_device as set_device
 from vllm_gaudi_platform.seam.emulated_runtime import stream as stream
 from vllm_gaudi_platform.seam.emulated_runtime import synchronize as synchronize

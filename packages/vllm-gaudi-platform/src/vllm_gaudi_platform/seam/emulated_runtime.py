@@ -61,6 +61,60 @@ def memory_allocated() -> int:
         return 0
 
 
+def max_memory_allocated() -> int:
+    """The peak of memory_allocated() since the last reset_peak_memory_stats(): the process's
+    peak resident set (Linux's VmHWM in /proc/self/status), which the kernel keeps at every page
+    fault, so a transient tensor freed before the reading still counts.
+
+    Where the kernel keeps no peak (no /proc: not Linux) the reading is the resident set now, and
+    a warning says that a profile run's transient tensors are not counted."""
+    peak = _status_bytes("VmHWM")
+    if peak is None:
+        _warn_no_peak()
+        return memory_allocated()
+    return peak
+
+
+def reset_peak_memory_stats() -> None:
+    """Start a new peak from the resident set now (Linux: writing 5 to /proc/self/clear_refs
+    resets VmHWM to VmRSS). The heap is trimmed first, so freed memory the C library still held
+    does not raise the new baseline."""
+    _trim_heap()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        _warn_no_peak()
+
+
+def _status_bytes(field: str) -> int | None:
+    """A "kB" field of /proc/self/status in bytes (None without /proc)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _warn_no_peak() -> None:
+    global _PEAK_WARNED
+    if not _PEAK_WARNED:
+        _PEAK_WARNED = True
+        from vllm.logger import init_logger
+
+        init_logger(f"vllm.{__name__}").warning(
+            "This system keeps no peak resident set (/proc/self/status VmHWM, "
+            "/proc/self/clear_refs): the emulated peak memory is the resident set when read, and "
+            "a profile run's transient tensors are not counted in the KV cache sizing."
+        )
+
+
+_PEAK_WARNED = False
+
+
 def _trim_heap() -> None:
     import ctypes
     import ctypes.util

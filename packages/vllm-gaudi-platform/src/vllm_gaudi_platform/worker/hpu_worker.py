@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 
 import torch
@@ -15,7 +16,7 @@ from vllm.v1.worker.worker_base import CompilationTimes
 
 from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.seam import backend as seam_backend
-from vllm_gaudi_platform.worker import sleep_mode
+from vllm_gaudi_platform.worker import hybrid, profiling, sleep_mode
 from vllm_gaudi_platform.worker.compiled import configure_dynamo
 from vllm_gaudi_platform.worker.model_runner import HPUModelRunner
 
@@ -92,9 +93,13 @@ class HPUWorker(Worker):
     def determine_available_memory(self) -> int:
         """Bytes of device memory for the KV cache.
 
-        usable = total * gpu_memory_utilization - weights - peak activations of the largest
-        forward pass (profiled) - a reserve for captured HPU graphs (VLLM_GRAPH_RESERVED_MEM
-        share; none with enforce_eager=True, which captures no graphs).
+        usable = total * gpu_memory_utilization - weights - peak activations of the profile run
+        (profiling.py: the largest prompt bucket with its metadata, the attention and state
+        layers' kernels included, then vLLM's profile run), read as the device's peak since a
+        reset, not as what stays allocated; then a reserve for captured HPU graphs
+        (VLLM_GRAPH_RESERVED_MEM share; none with enforce_eager=True, which captures no graphs).
+        The KV cache of a model with state layers holds their state slots in the same pages
+        (vLLM's hybrid allocator sizes one page per group layer for both): the budget covers them.
         An explicit kv_cache_memory_bytes wins, as on every vLLM platform.
         """
         explicit = self.cache_config.kv_cache_memory_bytes
@@ -102,36 +107,65 @@ class HPUWorker(Worker):
             logger.info("KV cache: %.2f GiB as set by kv_cache_memory_bytes", explicit / 2**30)
             return int(explicit)
         total = self.seam.mem_get_info()[1]
-        used_before = self.seam.memory_allocated()
-        self.model_runner.profile_run()
-        self.seam.synchronize()
-        used_peak = self.seam.memory_allocated()
         gc.collect()
-        activations = max(used_peak - used_before, 0)
+        self.seam.synchronize()
+        used_before = self.seam.memory_allocated()
+        self.seam.reset_peak_memory_stats()
+        measured = self.model_runner.profile_run()
+        self.seam.synchronize()
+        used_peak = max(self.seam.max_memory_allocated(), used_before)
+        gc.collect()
+        activations = used_peak - used_before
         weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
         usable = total * self.cache_config.gpu_memory_utilization - weights - activations
         reserve = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
         if not self.model_runner.graphs.enabled:
             reserve = 0.0
         kv_bytes = int(max(usable, 0) * (1.0 - reserve))
+        self.profile_memory = dataclasses.replace(
+            measured if measured is not None else profiling.ProfileMemory(),
+            before=used_before,
+            peak=used_peak,
+            after=self.seam.memory_allocated(),
+            weights=weights,
+            kv_budget=kv_bytes,
+            graph_reserve=int(max(usable, 0) * reserve),
+        )
         if kv_bytes <= 0:
             raise ValueError(
                 f"No HPU memory left for the KV cache: total {total / 2**30:.2f} GiB x "
                 f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization} - weights "
-                f"{weights / 2**30:.2f} GiB - activations {activations / 2**30:.2f} GiB. "
-                "Raise gpu_memory_utilization, lower max_num_batched_tokens, or set "
-                "kv_cache_memory_bytes."
+                f"{weights / 2**30:.2f} GiB - activations {activations / 2**30:.2f} GiB (the "
+                "profile run's peak). Raise gpu_memory_utilization, lower "
+                "max_num_batched_tokens, or set kv_cache_memory_bytes."
             )
         logger.info(
-            "KV cache: %.2f GiB (total %.2f GiB, weights %.2f GiB, activations %.2f GiB, "
-            "graph reserve %.0f%%)",
+            "KV cache: %.2f GiB (total %.2f GiB, weights %.2f GiB, activations %.2f GiB at the "
+            "profile run's peak, %.2f GiB of them still allocated after it, graph reserve %.0f%%)",
             kv_bytes / 2**30,
             total / 2**30,
             weights / 2**30,
             activations / 2**30,
+            max(self.profile_memory.after - used_before, 0) / 2**30,
             reserve * 100,
         )
         return kv_bytes
+
+    def get_memory_report(self) -> dict:
+        """What determine_available_memory measured (profiling.ProfileMemory), and the bytes the
+        KV cache holds now (attention blocks and state slots, each storage once): tests and
+        collective_rpc callers compare them with the budget."""
+        report = getattr(self, "profile_memory", profiling.ProfileMemory()).as_dict()
+        storages = {}
+        for kv in self._kv_cache_tensors():
+            storage = kv.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        if self.model_runner.has_state_layers:
+            for state in hybrid.state_tensors(self.model_runner):
+                storage = state.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        report["kv_cache_allocated"] = sum(storages.values())
+        return report
 
     # ------------------------------------------------------------------ warmup
     def compile_or_warm_up_model(self) -> CompilationTimes:
@@ -248,6 +282,7 @@ class HPUWorker(Worker):
             "idle_dp_steps": runner.idle_dp_steps,
             "linears_on_seam": runner.linears_on_seam,
             "step_metrics": runner.step_metrics.snapshot(),
+            "memory": self.get_memory_report(),  # the profile run's peak, the KV cache's bytes
             # torch.compile (eager mode): graphs per phase, graph breaks, compiles while serving.
             "compiled": runner.compiled_model is not None,
             "compiled_forward_on": runner.compiled_model is not None and runner.compiled_forward_on,

@@ -51,6 +51,7 @@ from vllm_gaudi_platform.worker import (
     hybrid,
     mixed_steps,
     model_loading,
+    profiling,
     spec_decode,
     vision,
     warmup,
@@ -435,6 +436,14 @@ class HPUModelRunner(GPUModelRunner):
 
     def recapture_graphs(self) -> None:
         hpu_graphs.recapture(self)
+
+    # ------------------------------------------------------------------ profiling
+    def profile_run(self, *args: Any, **kwargs: Any) -> profiling.ProfileMemory:
+        """The largest prompt bucket with its metadata over a minimal KV cache (the attention
+        and state layers' kernels run), then vLLM's profile run (profiling.py)."""
+        return profiling.profile_run(
+            self, lambda: super(HPUModelRunner, self).profile_run(*args, **kwargs)
+        )
 
     # ------------------------------------------------------------------ warmup (warmup.py)
     def warmup_model(self) -> None:

@@ -91,16 +91,35 @@ def memory_allocated() -> int:
     return _torch_device.memory_allocated()
 
 
-def max_memory_allocated() -> int:
+def max_memory_allocated(device: Any = None) -> int:
+    """The most bytes "hpu" tensors held since the last reset_peak_memory_stats() (the bridge's
+    `hpu/memory.py`: the allocator's MaxInUse), transient tensors freed since included."""
     from habana_frameworks.torch import _torch_device
 
+    _check_memory_device(device)
     return _torch_device.max_memory_allocated()
 
 
-def reset_peak_memory_stats() -> None:
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Restart the peak from the bytes held now (the bridge's `hpu/memory.py`)."""
     from habana_frameworks.torch import _torch_device
 
+    _check_memory_device(device)
     _torch_device.reset_peak_memory_stats()
+
+
+def _check_memory_device(device: Any) -> None:
+    """The bridge's memory stats take a device (None, an index, "hpu", torch.device) and refuse
+    an id outside the process's devices ("Invalid device id"); the process has one."""
+    if device is None:
+        return
+    if isinstance(device, str):
+        device = torch.device(device)
+    if isinstance(device, torch.device):
+        if device.type != "hpu":
+            raise HabanaRuleError(f"memory stats of {device}: not an HPU device")
+        device = device.index
+    _check_index(device)
 
 
 def synchronize() -> None:

@@ -54,6 +54,16 @@ def memory_allocated() -> int:
     return int(hthpu.memory_allocated())
 
 
+def max_memory_allocated() -> int:
+    """Peak bytes allocated on the device since the last reset_peak_memory_stats()
+    (`habana_frameworks.torch.hpu.max_memory_allocated`, Habana's memory stats API)."""
+    return int(hthpu.max_memory_allocated())
+
+
+def reset_peak_memory_stats() -> None:
+    hthpu.reset_peak_memory_stats()
+
+
 def synchronize() -> None:
     hthpu.synchronize()
 
