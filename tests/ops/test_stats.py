@@ -97,3 +97,48 @@ def test_periodic_and_exit_writes_add_up_to_the_calls(run_python, tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert json.loads(path.read_text()) == {"norm": 12}
+
+
+@pytest.mark.process
+def test_the_last_calls_reach_the_file_an_interval_later_in_a_process_that_is_killed(
+    run_python, tmp_path
+):
+    # `vllm serve` kills its engine-core process right after asking it to stop: the calls after
+    # the last periodic write are written by a timer once the interval has passed.
+    path = tmp_path / "stats.json"
+    idle_then_killed = (
+        "from vllm_gaudi_ops import stats; import os, signal, time\n"
+        "stats.FLUSH_INTERVAL_S = 0.2\n"
+        "for _ in range(5): stats.count('norm')\n"
+        "time.sleep(1.5)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+
+    result = run_python(idle_then_killed, env={stats.STATS_FILE_ENV: str(path)})
+
+    assert result.returncode == -9
+    assert json.loads(path.read_text()) == {"norm": 5}
+
+
+@pytest.mark.process
+def test_a_forked_child_writes_its_own_calls_and_the_parent_its_own(run_python, tmp_path):
+    # vLLM forks its engine-core process from the API server: the child neither writes the
+    # parent's unwritten calls again nor waits on the parent's timer, which it does not have.
+    path = tmp_path / "stats.json"
+    fork = (
+        "from vllm_gaudi_ops import stats; import os, signal, time\n"
+        "stats.FLUSH_INTERVAL_S = 0.2\n"
+        "stats.count('norm'); stats.count('norm')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    for _ in range(3): stats.count('rotary')\n"
+        "    time.sleep(1.5)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "os.waitpid(pid, 0)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+
+    result = run_python(fork, env={stats.STATS_FILE_ENV: str(path)})
+
+    assert result.returncode == -9
+    assert json.loads(path.read_text()) == {"norm": 2, "rotary": 3}
