@@ -11,9 +11,10 @@ every parameter in its old storage). Then a trainer dies after one bucket of a r
 fails with an error that says so, quickly (the broadcast sees the closed sockets; no timeout
 wait), and the engine goes on serving the previous round's weights.
 
-Tensor parallelism 2 (emulated, HPU graphs): both workers join the trainer's group, each loads
+Tensor parallelism 2 (HPU graphs, on both backends; on the stand-in the workers' collectives
+are its "hccl" group's, recorded in the graphs): both workers join the trainer's group, each loads
 its shards of every round, and the dying trainer's round is written on neither (the workers vote
-before writing). An update during traffic (emulated, HPU graphs; weight_update_async_job.py):
+before writing). An update during traffic (HPU graphs, both backends; weight_update_async_job.py):
 AsyncLLM with its engine core in a process of its own, as vLLM serves; vLLM's
 pause_generation(mode="wait", clear_cache=True) lets the requests in flight finish on the old
 weights while new ones queue, the round is written, and after resume the queued requests run on
@@ -45,13 +46,15 @@ JOB = Path(__file__).with_name("weight_update_job.py")
 MAX_TOKENS = 6
 TIMEOUT_S = 60.0  # the transfer group's; the dying trainer must fail the round far sooner
 PROMPTS = make_prompts()[:6]  # one to three blocks, a shared prefix: prefix caching matters
-# (backend, mode, tensor-parallel size); the stand-in's engines run one device.
+# (backend, mode, tensor-parallel size). Each backend's HPU-graph case runs once with one worker
+# and once with two; on the stand-in the two-worker engine is its only graphs case (it runs every
+# check the one-worker engine would, plus the shards and the vote), to keep the suite small.
 CASES = [
     ("emulated", "graphs", 1),
     ("emulated", "compile", 1),
-    ("gaudi", "graphs", 1),
     ("gaudi", "compile", 1),
     ("emulated", "graphs", 2),
+    ("gaudi", "graphs", 2),
 ]
 
 
@@ -169,11 +172,12 @@ ASYNC_JOB = Path(__file__).with_name("weight_update_async_job.py")
 LONG_TOKENS = 48  # the in-flight requests: still generating when the pause begins
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> dict:
-    """AsyncLLM (its engine core in a process of its own, as vLLM serves), emulated, HPU graphs."""
+@pytest.fixture(scope="module", params=["emulated", "gaudi"])
+def served(request, tmp_path_factory) -> dict:
+    """AsyncLLM (its engine core in a process of its own, as vLLM serves), HPU graphs."""
+    backend = request.param
     model = str(tinymodels.build("llama"))
-    workdir = tmp_path_factory.mktemp("weights-served")
+    workdir = tmp_path_factory.mktemp(f"weights-served-{backend}")
     job = {
         "model": model,
         "prompts": PROMPTS,
@@ -188,7 +192,13 @@ def served(tmp_path_factory) -> dict:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # pause_generation(mode="wait") needs it
         "PT_HPU_LAZY_MODE": "1",
     }
-    result = job_result(run_job(ASYNC_JOB, json.dumps(job), env), "served weight update job")
+    if backend == "gaudi":
+        if REAL_GAUDI_SOFTWARE:
+            pytest.skip("the stand-in does not load beside a real Gaudi stack")
+        env.update(STANDIN_ENGINE_ENV)
+    label = f"served weight update job ({backend})"
+    result = job_result(run_job(ASYNC_JOB, json.dumps(job), env), label)
+    result["backend"] = backend
     result["reference_old"] = hf_greedy(model, PROMPTS, LONG_TOKENS)
     result["reference_new"] = hf_greedy(str(workdir / "round0"), PROMPTS, MAX_TOKENS)
     return result
@@ -212,4 +222,96 @@ def test_requests_queued_during_the_update_run_on_the_new_weights_and_none_is_lo
     assert_close(served["queued"], served["reference_new"], "queued during the update")
     assert served["trainer_rc"] == 0
     stats = served["stats"]
+    assert stats["seam"] == ("gaudi" if served["backend"] == "gaudi" else "emulated on cpu")
     assert stats["recompiles"] == 0 and stats["eager_steps"] == 0, stats["eager_buckets"]
+
+
+# ---------------------------------------------------------------- an FP8 checkpoint
+FP8_FORMAT = "llama-fp8-block"  # block-scaled: per-channel FP8 after loading, as every fp8 linear
+FP8_SCALE = 0.1  # the soft Llama stays soft enough for FP8 activations (the top-5 rule)
+
+
+def _requantized(round_dir: Path, out: Path) -> Path:
+    """The reference for an FP8 engine after an update: the round's float weights of every
+    quantized linear quantized as the loaded layers hold them (FP8 E4M3 per output channel,
+    Gaudi 3's range, the test's own quantizer) and dequantized; the rest as sent."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.quant import fp8_checkpoints
+    from tests.quant import fp8_packers as P
+
+    shutil.copytree(round_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(round_dir / "model.safetensors"))
+    for name, tensor in tensors.items():
+        if fp8_checkpoints._scheme(fp8_checkpoints.FORMATS[FP8_FORMAT], name[: -len(".weight")]):
+            tensors[name] = P.dequantize(P.quantize(tensor, "channel")).to(tensor.dtype)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.fixture(scope="module", params=["emulated", "gaudi"])
+def fp8_run(request, tmp_path_factory) -> dict:
+    """An `fp8` checkpoint (block-scaled, dynamic activations) served with HPU graphs takes one
+    round of float weights from a trainer that holds the float original."""
+    from tests.quant import fp8_checkpoints
+
+    backend = request.param
+    env: dict[str, str | None] = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "PT_HPU_LAZY_MODE": "1"}
+    if backend == "gaudi":
+        if REAL_GAUDI_SOFTWARE:
+            pytest.skip("the stand-in does not load beside a real Gaudi stack")
+        env.update(STANDIN_ENGINE_ENV)
+    root = tmp_path_factory.mktemp(f"weights-fp8-{backend}")
+    qdir, fdir = fp8_checkpoints.write(FP8_FORMAT, root, PROMPTS)
+    job = {
+        "model": str(qdir),
+        "trainer_model": str(fdir),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "engine": COMPILE_ENGINE,
+        "workdir": str(root),
+        "timeout_s": TIMEOUT_S,
+        "rounds": 1,
+        "scale": FP8_SCALE,
+        "dying_trainer": False,
+        "report_quantized": True,
+    }
+    result = job_result(run_job(JOB, json.dumps(job), env), f"FP8 weight update job ({backend})")
+    result["backend"] = backend
+    result["reference"] = hf_greedy(
+        str(_requantized(root / "round0", root / "requantized")), PROMPTS, MAX_TOKENS
+    )
+    result["reference_float"] = hf_greedy(str(root / "round0"), PROMPTS, MAX_TOKENS)
+    return result
+
+
+def test_an_fp8_checkpoint_requantizes_an_update_in_place(fp8_run):
+    label = f"fp8 {fp8_run['backend']}"
+    assert fp8_run["stats_before"]["seam"] == (
+        "gaudi" if fp8_run["backend"] == "gaudi" else "emulated on cpu"
+    )
+    assert fp8_run["trainer_rc"] == 0, fp8_run["trainer_log"]
+    before, after = fp8_run["quantized_before"], fp8_run["quantized_after"]
+    # Every linear of the decoder is FP8 with per-channel scales, before and after ...
+    assert before["fp8_weights"] == after["fp8_weights"] > 0
+    assert after["scale_shapes"] == before["scale_shapes"]
+    assert all(len(shape) == 1 for shape in after["scale_shapes"])  # [N]: one per channel
+    # ... the update wrote new FP8 weights and scales into the same storage ...
+    assert fp8_run["same_storage"]
+    assert after["weight_digest"] != before["weight_digest"]
+    assert after["scale_digest"] != before["scale_digest"]
+    # ... and greedy output is transformers' on the requantized round (the top-5 rule covers
+    # the engine's FP8 activations), not the checkpoint's.
+    assert_close(fp8_run["round0"], fp8_run["reference"], label)
+    assert [o["tokens"] for o in fp8_run["round0"]] != [o["tokens"] for o in fp8_run["before"]]
+
+
+def test_an_fp8_update_runs_on_the_warmed_graphs_with_no_recompile(fp8_run):
+    before, after = fp8_run["stats_before"], fp8_run["stats_round0"]
+    assert before["graphs_enabled"] and before["num_graphs"] > 0
+    assert after["recompiles"] == 0, after["unwarmed_buckets"]
+    assert after["num_graphs"] == before["num_graphs"]
+    assert after["graph_capture_seconds"] == before["graph_capture_seconds"]
+    assert after["eager_steps"] == 0, after["eager_buckets"]

@@ -5,7 +5,9 @@ serve each, then meet a trainer that dies mid-round, and report as one RESULT JS
     python weight_update_job.py '<json job>'
 
 Job keys: model, prompts, max_tokens, engine (LLM kwargs), workdir (where the trainer saves each
-round's model for the reference), timeout_s (the transfer group's). The result holds the greedy
+round's model for the reference), timeout_s (the transfer group's); optional: trainer_model (the
+float model a trainer of a quantized checkpoint holds), rounds (how many, 1 or 2), scale (of the
+perturbation), dying_trainer (false: no dying trainer after the rounds). The result holds the greedy
 outputs (engine_job.completion) before any update, after each round and after the failed round,
 the worker's recompile statistics after each, whether every parameter kept its storage, the
 engine's report, and the failed round's error with how long it took.
@@ -38,7 +40,8 @@ def start_trainer(job: dict, rounds: list[dict]) -> tuple[subprocess.Popen, dict
         "world_size": 1 + job["engine"].get("tensor_parallel_size", 1),
         "timeout_s": job["timeout_s"],
     }
-    spec = {"model": job["model"], "init_info": info, "rounds": rounds}
+    # The trainer's model: the served checkpoint, or (a quantized one) its float original.
+    spec = {"model": job.get("trainer_model") or job["model"], "init_info": info, "rounds": rounds}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "PT_HPU", "HABANA"))}
     # The job's import path without the stand-in's start-up hook: the trainer needs no device.
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and "habana_standin" not in p)
@@ -53,6 +56,7 @@ def start_trainer(job: dict, rounds: list[dict]) -> tuple[subprocess.Popen, dict
 
 
 def main(job: dict) -> dict:
+    import torch
     from engine_job import completion
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -86,13 +90,31 @@ def main(job: dict) -> dict:
             "connected_per_worker": [r["connected"] for r in reports],
         }
 
+    def quantized() -> dict:  # the first worker's FP8 linears: how many, scale shapes, digests
+        def look(w) -> dict:
+            params = dict(w.model_runner.get_model().named_parameters())
+            fp8 = {n: p for n, p in params.items() if p.dtype == torch.float8_e4m3fn}
+            scales = [params[n.removesuffix("weight") + "weight_scale"] for n in sorted(fp8)]
+            return {
+                "fp8_weights": len(fp8),
+                "scale_shapes": [list(s.shape) for s in scales],
+                "weight_digest": sum(float(p.float().abs().sum()) for p in fp8.values()),
+                "scale_digest": sum(float(s.double().sum()) for s in scales),
+            }
+
+        return llm.collective_rpc(look)[0]
+
     out: dict = {"before": generate(), "stats_before": stats()}
+    if job.get("report_quantized"):
+        out["quantized_before"] = quantized()
     ptrs = storages()
     workdir = Path(job["workdir"])
     rounds = [
         {"seed": 1, "scale": 0.5, "bucket_bytes": 4096, "save": str(workdir / "round0")},
         {"seed": 2, "scale": 0.5, "bucket_bytes": 0, "save": str(workdir / "round1")},
-    ]
+    ][: job.get("rounds", 2)]
+    for spec in rounds:
+        spec["scale"] = job.get("scale", spec["scale"])
     trainer, info = start_trainer(job, rounds)
     try:
         weight_sender.connect_engine(llm, info)
@@ -101,12 +123,16 @@ def main(job: dict) -> dict:
             out[f"round{i}"] = generate()
             out[f"stats_round{i}"] = stats()
         out["report_after_rounds"] = report()
+        if job.get("report_quantized"):
+            out["quantized_after"] = quantized()
         out["same_storage"] = storages() == ptrs
         out["trainer_rc"] = trainer.wait(timeout=120)
     finally:
         if trainer.poll() is None:
             trainer.kill()
         out["trainer_log"] = (trainer.stdout.read() if trainer.stdout else "")[-3000:]
+    if not job.get("dying_trainer", True):
+        return out
 
     # A trainer that dies after the first bucket of its round.
     dying, info = start_trainer(

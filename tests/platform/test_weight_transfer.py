@@ -149,19 +149,80 @@ def test_registration_is_idempotent_and_reaches_vllms_factory():
     assert {"nccl", "ipc"} <= set(WeightTransferEngineFactory._registry)
 
 
-@pytest.mark.parametrize("method", ["fp8", "inc", "awq_hpu", "gptq_hpu", "compressed-tensors"])
-def test_quantized_models_are_refused_naming_the_setting(method):
+@pytest.mark.parametrize(
+    ("method", "why"),
+    [
+        ("awq_hpu", "activation-aware calibration"),
+        ("gptq_hpu", "error compensation"),
+        ("inc", "measured activation statistics"),
+        ("compressed-tensors", "none of them re-quantizes"),
+        ("gpt_oss_mxfp4", "E8M0 block scales"),
+        ("bitsandbytes", "does not re-quantize on the way in"),
+    ],
+)
+def test_quantized_models_other_than_fp8_are_refused_naming_the_method_why_and_the_fix(method, why):
     config = SimpleNamespace(model_config=SimpleNamespace(quantization=method))
     problem = weight_transfer.refusal(config)  # type: ignore[arg-type]
     assert problem is not None
     assert f"quantization={method!r}" in problem and "weight_transfer_config" in problem
+    assert why in problem
+    assert "Serve the model unquantized" in problem and "fp8 checkpoint" in problem
     with pytest.raises(ValueError, match="Serve the model unquantized"):
         weight_transfer.HpuWeightTransferEngine(None, config, torch.device("cpu"), None)  # type: ignore[arg-type]
 
 
-def test_unquantized_models_are_accepted():
-    config = SimpleNamespace(model_config=SimpleNamespace(quantization=None))
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_unquantized_and_fp8_models_are_accepted(quantization):
+    config = SimpleNamespace(model_config=SimpleNamespace(quantization=quantization))
     assert weight_transfer.refusal(config) is None  # type: ignore[arg-type]
+
+
+class _Fp8LikeMethod:  # offers the re-quantizing calls
+    def hpu_stage_weight_update(self, layer):
+        staged = torch.nn.Parameter(layer.weight.data.float() * 2, requires_grad=False)
+        staged.weight_loader = lambda p, w: p.data.copy_(w)  # type: ignore[attr-defined]
+        return staged
+
+    def hpu_commit_weight_update(self, layer, staged):
+        layer.weight.data.copy_(staged.data.half())
+
+
+class _PackedMethod:  # offers nothing: e.g. a 4-bit MoE method
+    pass
+
+
+def _layer(method) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.ones(2, 3, dtype=torch.half), requires_grad=False)
+    layer.quant_method = method
+    return layer
+
+
+def test_an_fp8_model_with_a_layer_that_does_not_requantize_is_refused_naming_it():
+    from vllm_gaudi_platform.distributed import weight_quantized
+
+    model = torch.nn.Sequential(_layer(_Fp8LikeMethod()), _layer(_PackedMethod()))
+    problem = weight_quantized.model_refusal(model, "fp8")
+    assert problem is not None
+    assert "'1'" in problem and "_PackedMethod" in problem and "quantization='fp8'" in problem
+    assert weight_quantized.model_refusal(model[:1], "fp8") is None
+
+
+def test_staged_weights_commit_only_the_layers_the_round_wrote_into_their_storage():
+    from vllm_gaudi_platform.distributed import weight_quantized
+
+    model = torch.nn.Sequential(_layer(_Fp8LikeMethod()), _layer(_Fp8LikeMethod()))
+    storages = [layer.weight.data_ptr() for layer in model]
+    with weight_quantized.staged_weights(model) as loaded:
+        staged = model[0].weight
+        assert staged.dtype == torch.float32  # the checkpoint layout, not the quantized one
+        staged.weight_loader(staged, torch.full((2, 3), 5.0))
+        loaded.append({"0.weight"})  # what the model's load_weights returns
+    assert [layer.weight.data_ptr() for layer in model] == storages
+    assert model[0].weight.dtype == torch.half and torch.equal(
+        model[0].weight, torch.full((2, 3), 5.0, dtype=torch.half)
+    )
+    assert torch.equal(model[1].weight, torch.ones(2, 3, dtype=torch.half))  # not written
 
 
 def test_a_worker_without_the_setting_holds_no_engine():

@@ -7,9 +7,9 @@ finds a "Gaudi" and the seam resolves to `seam/gaudi`, unchanged. The stand-in's
 tensors and sampled ids live on "hpu" as on a Gaudi, and an op that mixes them with CPU tensors
 is refused as a device refuses it.
 
-One fact of seam/gaudi is pointed elsewhere: its collectives backend. The stand-in has no HCCL, so
-the process group is gloo's (these engines run one device; gloo carries vLLM's host-side
-barriers and broadcasts).
+The collectives backend is seam/gaudi's own, "hccl": the stand-in registers it
+(`habana_frameworks/torch/distributed/hccl.py`), so tensor-parallel engines run their collectives
+on "hpu" tensors as on a Gaudi.
 """
 
 from __future__ import annotations
@@ -24,11 +24,7 @@ if _STANDIN not in sys.path:
 
 def _install_the_standin() -> None:
     os.environ["HABANA_STANDIN_TORCH_DEVICE"] = "1"
-    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.* and the device
-
-    from vllm_gaudi_platform.seam import gaudi
-
-    gaudi.DIST_BACKEND = "gloo"
+    import habana_frameworks.torch  # noqa: F401 - registers torch.ops.hpu.*, the device, hccl
 
 
 _install_the_standin()

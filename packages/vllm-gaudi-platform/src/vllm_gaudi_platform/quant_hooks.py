@@ -40,3 +40,23 @@ class FinalizesCalibration(Protocol):
 
 
 HOOKS = (ChecksVllmConfig, TransformsLoadedModel, FinalizesCalibration)
+
+
+@runtime_checkable
+class RequantizesWeightUpdates(Protocol):
+    """Offered by a LAYER method (not a config), called by the weight-transfer engine "hpu"
+    (`distributed/weight_quantized.py`) during an in-place update: `hpu_stage_weight_update`
+    gives a host Parameter in the checkpoint's layout and the model's dtype, holding the layer's
+    current weight, with the loader the layer had before it was quantized; after the model's
+    `load_weights` wrote a round into it, `hpu_commit_weight_update` quantizes it as the method
+    did after loading and writes the weight and its scales into the layer's existing storage
+    (graphs hold those tensors). A quantized layer whose method lacks them is refused at start."""
+
+    def hpu_stage_weight_update(self, layer: torch.nn.Module) -> torch.nn.Parameter: ...
+
+    def hpu_commit_weight_update(
+        self, layer: torch.nn.Module, staged: torch.nn.Parameter
+    ) -> None: ...
+
+
+METHOD_HOOKS = (RequantizesWeightUpdates,)

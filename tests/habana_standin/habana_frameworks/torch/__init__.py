@@ -140,3 +140,7 @@ _register_scalar_overloads()
 _register_dynamo_backend()
 if _torch_device.requested():
     _torch_device.install()
+
+# Fact: importing Habana's package registers the collectives backend "hccl" (Intel's worker
+# imports nothing else before initializing torch.distributed with it).
+from habana_frameworks.torch.distributed import hccl as _hccl  # noqa: E402, F401

@@ -13,9 +13,10 @@ The prefix cache is the caller's, as everywhere in vLLM: KV blocks computed with
 must not serve the new ones. `weight_sender.apply_update` (offline `LLM`) and vLLM's
 `pause_generation(clear_cache=True)` (served engines) reset it.
 
-Quantized models are refused at start: their parameters hold what the quantization method made
-of the checkpoint after loading (FP8 with scales, packed 4-bit), not checkpoint tensors, and
-writing checkpoint tensors into them would be silently wrong.
+Quantized models: an `fp8` checkpoint's linear layers take the trainer's high-precision weights
+and re-quantize them on the way in, writing the FP8 weight and its scales into their storage
+(`weight_quantized.py`); every other method (AWQ, GPTQ, INC, compressed-tensors, MXFP4) and the
+FP8 MoE experts are refused at start, each naming why and the fix.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from vllm_gaudi_platform.distributed import weight_wire
+from vllm_gaudi_platform.distributed import weight_quantized, weight_wire
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,18 +69,7 @@ class HpuWeightTransferUpdateInfo(WeightTransferUpdateInfo):
 
 def refusal(vllm_config: VllmConfig) -> str | None:
     """Why this engine cannot update the model of `vllm_config`, or None."""
-    model_config = vllm_config.model_config
-    quantization = getattr(model_config, "quantization", None)
-    if quantization is not None:
-        return (
-            f"weight_transfer_config backend {BACKEND!r} writes checkpoint-format tensors into "
-            f"the served parameters, and quantization={quantization!r} replaced those with what "
-            "it made of the checkpoint after loading (low-precision weights with their scales, "
-            "packed integers); re-quantizing on the way in is not implemented, and writing "
-            "unquantized tensors into them would be silently wrong. Serve the model unquantized "
-            "(no --quantization and an unquantized checkpoint) to update its weights in place."
-        )
-    return None
+    return weight_quantized.refusal(vllm_config, BACKEND)
 
 
 class HpuWeightTransferEngine(
@@ -96,6 +86,9 @@ class HpuWeightTransferEngine(
         model: torch.nn.Module,
     ) -> None:
         problem = refusal(vllm_config)
+        if problem is None and model is not None:
+            quantization = getattr(vllm_config.model_config, "quantization", None)
+            problem = weight_quantized.model_refusal(model, quantization)
         if problem is not None:
             raise ValueError(problem)
         super().__init__(config, vllm_config, device, model)
@@ -253,8 +246,13 @@ class HpuWeightTransferEngine(
             disable_mtp_completeness_check,
         )
 
-        with torch.no_grad(), disable_mtp_completeness_check():
+        with (
+            torch.no_grad(),
+            disable_mtp_completeness_check(),
+            weight_quantized.staged_weights(model) as staged,
+        ):
             loaded = model.load_weights(iter(tensors))
+            staged.append(loaded)
         restored = 0
         with torch.no_grad():
             for name, param in model.named_parameters(remove_duplicate=False):

@@ -197,6 +197,9 @@ class HpuFp8LinearMethod(LinearMethodBase):
         layer.orig_dtype = params_dtype
         shards = _ShardedRows(output_partition_sizes, output_split=rows != output_size)
         weight_loader = extra_weight_attrs.pop("weight_loader")
+        # The layer's own loader of checkpoint-layout weights: an in-place update stages a
+        # trainer's high-precision weights through it (hpu_stage_weight_update).
+        layer.hpu_checkpoint_weight_loader = weight_loader
 
         weight = Parameter(
             torch.empty(rows, input_size_per_partition, dtype=FP8_DTYPE), requires_grad=False
@@ -251,6 +254,34 @@ class HpuFp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return apply_fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+    # ------------------------------------------------------------ in-place weight updates
+    def hpu_stage_weight_update(self, layer: Any) -> Parameter:
+        """The layer's current weight, dequantized into the checkpoint's layout [N, K] and the
+        model's dtype on the host, loadable with the layer's checkpoint loader: a round that
+        writes only some shards of a fused layer keeps the others' values (re-quantizing a
+        per-channel FP8 row gives the same row back)."""
+        weight = layer.weight.data.t().float() * layer.weight_scale.data.reshape(-1, 1)
+        staged = Parameter(weight.to(layer.orig_dtype).cpu(), requires_grad=False)
+        set_weight_attrs(
+            staged,
+            {
+                "input_dim": 1,
+                "output_dim": 0,
+                "weight_loader": layer.hpu_checkpoint_weight_loader,
+            },
+        )
+        return staged
+
+    def hpu_commit_weight_update(self, layer: Any, staged: Parameter) -> None:
+        """Quantize the staged weight as loading left the layer (FP8 per output channel with
+        the device's range, whatever the checkpoint's scale layout: per-tensor and block
+        checkpoints are per-channel after loading too) and write the FP8 weight [K, N] and its
+        scales [N] into the layer's storage. Static input scales stay as calibrated."""
+        weight = staged.data.to(layer.weight.device).float()
+        wq, scale = quantize_per_channel(weight)
+        layer.weight.data.copy_(wq.t())
+        layer.weight_scale.data.copy_(scale)
 
 
 __all__ = [

@@ -21,6 +21,11 @@ SUBCLASSES: tuple[Subclass, ...] = (
         frozenset({"_moe_method"}) | QUANT_HOOKS,
     ),
     Subclass(f"{M}.ct_schemes:HpuWNA16MoE", frozenset({"repack"})),
+    # In-place weight updates (vllm_gaudi_platform.quant_hooks.RequantizesWeightUpdates).
+    Subclass(
+        f"{M}.fp8:HpuFp8LinearMethod",
+        frozenset({"hpu_stage_weight_update", "hpu_commit_weight_update"}),
+    ),
     Subclass(f"{M}.fp8_moe:HpuFp8MoEMethod", frozenset({"_dequantized", "_resolve_gather"})),
     Subclass(f"{M}.gptq:HpuGptqConfig", frozenset({"real_zeros"})),
     Subclass(f"{M}.gptq:HpuGptqMoEMethod", frozenset({"repack"})),

@@ -1,0 +1,1 @@
+"""habana_frameworks.torch.distributed: the collectives backend "hccl" (`hccl.py`)."""
