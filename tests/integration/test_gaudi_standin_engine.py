@@ -9,7 +9,9 @@ activation scales, FP8 GEMM), a 4-bit checkpoint with an FP8 KV cache, an MXFP4
 compressed-tensors checkpoint (weights dequantized per forward) and a tiny Mamba2 hybrid
 (GraniteMoeHybrid: the Mamba mixer's state slots and padded rows under HPU graphs). Greedy
 tokens must agree (near-ties allowed, as everywhere) and each engine must resolve the same
-methods. Every rule the stand-in enforces holds on these paths, or the Gaudi job fails.
+methods. Every rule the stand-in enforces holds on these paths, or the Gaudi job fails. The
+hybrid's KV cache is sized by its profile run on both backends (the others set
+kv_cache_memory_bytes): the profile's peak, with the Mamba kernels run, is checked.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ MODELS = (
     "ct-mxfp4",
     "granitemoehybrid",
 )
+HYBRID_MEMORY_UTILIZATION = 0.02
 # The job process's "Gaudi": seam/gaudi over the stand-in instead of the emulation.
 GAUDI_ENV = STANDIN_ENGINE_ENV
 
@@ -78,6 +81,14 @@ def runs(tmp_path_factory) -> dict[str, dict[str, dict]]:
             "prompts": make_prompts()[:6],
             "max_tokens": MAX_TOKENS,
             "engine": COMPILE_ENGINE,
+            # The hybrid's KV cache sized by its profile run (no kv_cache_memory_bytes): a few
+            # tens of MB of the stand-in's 4 GiB and of the emulation's 8 GiB.
+            "engine_overrides": {
+                "granitemoehybrid": {
+                    "kv_cache_memory_bytes": None,
+                    "gpu_memory_utilization": HYBRID_MEMORY_UTILIZATION,
+                }
+            },
             "stats": True,
         }
     )
@@ -123,6 +134,28 @@ def test_the_hybrids_prompts_beyond_its_rows_run_in_passes_of_warmed_graphs(runs
     assert stats["split_steps"] > 0 and stats["packed_prefills"] == 0
     assert stats["recompiles"] == 0, stats["unwarmed_buckets"]
     assert stats["eager_steps"] == 0 and stats["graph_replays"] > 0, stats["eager_buckets"]
+
+
+@pytest.mark.parametrize("backend", ["gaudi", "emulated"])
+def test_the_hybrids_kv_cache_is_sized_from_a_profile_peak_that_ran_its_state_kernels(
+    runs, backend
+):
+    memory = runs[backend]["granitemoehybrid"]["stats"]["memory"]
+    # The profile pass (its largest prompt bucket, with metadata) handed every Mamba layer its
+    # prefill state metadata, so their conv + scan kernels ran and their intermediates count.
+    assert memory["state_layers"] == 2 == memory["state_layers_profiled"], memory
+    # The activations are read at the peak, above what stays allocated after the profile run.
+    assert memory["peak"] > memory["after"], memory
+    if backend == "gaudi":
+        # The stand-in's device counts its tensors exactly: the profile run keeps (almost)
+        # nothing, so reading after it would have counted next to no activations at all.
+        transient = memory["peak"] - memory["after"]
+        assert memory["after"] - memory["before"] < transient / 100, memory
+        assert memory["before"] >= memory["weights"]
+    # The KV cache, attention pages and state slots, holds no more than the profile left it.
+    assert 0 < memory["kv_cache_allocated"] <= memory["kv_budget"], memory
+    # What warmup's captured graphs hold is measured (a warning when above the graph reserve).
+    assert memory["graphs_held"] > 0, memory
 
 
 # torch.compile on the Gaudi backend (eager mode, the Gaudi default): the stand-in's hpu_backend

@@ -4,13 +4,14 @@ process, and prints one JSON line per checkpoint.
     python quant_job.py '<json job>'
 
 Job keys: checkpoints ({name: model path}), prompts (token id lists), max_tokens, engine (LLM
-kwargs), stats (bool: also report the HPU runner's recompile statistics). For each checkpoint,
-as soon as its engine is done: `RESULT <name> <json>` with the greedy tokens and top-5
-logprobs, the quantization method vLLM resolved, what every linear layer of the worker's model
-runs (its compressed-tensors scheme, or its quant method), what every MoE layer runs, and the KV
-cache (dtype vLLM configured; per attention layer the backend's cache dtype and the k/v
-scales); or `{"error": ...}` if that engine failed. One process for all of
-them: vLLM and torch are imported once.
+kwargs), engine_overrides (optional {name: LLM kwargs} over `engine` for that checkpoint; a None
+value drops the key), stats (bool: also report the HPU runner's recompile statistics). For each
+checkpoint, as soon as its engine is done: `RESULT <name> <json>` with the greedy tokens and
+top-5 logprobs, the quantization method vLLM resolved, what every linear layer of the worker's
+model runs (its compressed-tensors scheme, or its quant method), what every MoE layer runs, and
+the KV cache (dtype vLLM configured; per attention layer the backend's cache dtype and the k/v
+scales); or `{"error": ...}` if that engine failed. One process for all of them: vLLM and torch
+are imported once.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ def _inspect(worker) -> dict:
     }
 
 
-def run(model: str, job: dict) -> dict:
+def run(model: str, job: dict, name: str = "") -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, **job["engine"])
+    engine = {**job["engine"], **job.get("engine_overrides", {}).get(name, {})}
+    llm = LLM(model=model, **{k: v for k, v in engine.items() if v is not None})
     try:
         params = SamplingParams(
             temperature=0.0, max_tokens=job["max_tokens"], logprobs=5, ignore_eos=True
@@ -91,7 +93,7 @@ if __name__ == "__main__":
     job = json.loads(sys.argv[1])
     for name, model in job["checkpoints"].items():
         try:
-            result = run(model, job)
+            result = run(model, job, name)
         except Exception:  # reported per checkpoint; the others still run
             result = {"error": traceback.format_exc()}
         print(f"RESULT {name} " + json.dumps(result), flush=True)

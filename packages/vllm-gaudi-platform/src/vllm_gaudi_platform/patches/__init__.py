@@ -137,6 +137,7 @@ SUBCLASSES: tuple[Subclass, ...] = (
                 "set_compiled_forward",
                 "get_sleep_report",
                 "get_memory_report",
+                "_check_warmup_memory",
                 "finalize_calibration",
                 "_sleep",
                 "_kv_cache_tensors",

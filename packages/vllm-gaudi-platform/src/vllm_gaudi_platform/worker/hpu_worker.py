@@ -169,12 +169,44 @@ class HPUWorker(Worker):
 
     # ------------------------------------------------------------------ warmup
     def compile_or_warm_up_model(self) -> CompilationTimes:
+        # Warmup captures the HPU graphs: what they hold, and the peak above the KV cache while
+        # capturing, are checked against what determine_available_memory kept back for them.
+        gc.collect()
+        self.seam.synchronize()
+        before = self.seam.memory_allocated()
+        self.seam.reset_peak_memory_stats()
         self.model_runner.warmup_model()
+        self.seam.synchronize()
+        peak = max(self.seam.max_memory_allocated(), before)
+        gc.collect()
+        self._check_warmup_memory(before, peak, self.seam.memory_allocated())
         set_random_seed(self.model_config.seed)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
             encoder=self.compilation_config.encoder_compilation_time,
         )
+
+    def _check_warmup_memory(self, before: int, peak: int, after: int) -> None:
+        memory = getattr(self, "profile_memory", None)
+        if memory is None:
+            memory = self.profile_memory = profiling.ProfileMemory()
+        memory.warmup_peak = peak - before
+        memory.graphs_held = max(after - before, 0)
+        if not memory.kv_budget:  # kv_cache_memory_bytes: nothing was profiled to check against
+            return
+        margin = memory.graph_reserve + (memory.peak - memory.after)
+        if memory.graphs_held > memory.graph_reserve or memory.warmup_peak > margin:
+            logger.warning(
+                "HPU warmup: the captured graphs hold %.3f GiB and warmup peaked %.3f GiB above "
+                "the KV cache, more than was kept back (graph reserve %.3f GiB, profiled "
+                "transient activations %.3f GiB): raise %s or lower gpu_memory_utilization "
+                "before serving runs out of device memory.",
+                memory.graphs_held / 2**30,
+                memory.warmup_peak / 2**30,
+                memory.graph_reserve / 2**30,
+                (memory.peak - memory.after) / 2**30,
+                envs.VLLM_GRAPH_RESERVED_MEM,
+            )
 
     def execute_dummy_batch(self) -> None:
         """vLLM's step for a data-parallel rank with no requests while other ranks have some."""

@@ -48,6 +48,10 @@ class ProfileMemory:
     # were handed their prefill state metadata), of all the model's state layers.
     state_layers_profiled: int = 0
     state_layers: int = 0
+    # Measured around warmup: its peak above what was allocated before it (the KV cache
+    # included), and what stays allocated after it (the captured HPU graphs).
+    warmup_peak: int = 0
+    graphs_held: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
