@@ -18,7 +18,14 @@ before writing). An update during traffic (HPU graphs, both backends; weight_upd
 AsyncLLM with its engine core in a process of its own, as vLLM serves; vLLM's
 pause_generation(mode="wait", clear_cache=True) lets the requests in flight finish on the old
 weights while new ones queue, the round is written, and after resume the queued requests run on
-the new weights; no request is lost.
+the new weights; no request is lost. Every engine of CASES ends with sleep(level=1) and
+wake_up(): it serves the last round's weights, not the checkpoint's.
+
+An fp8 checkpoint (block-scaled; HPU graphs, both backends) takes one round of float weights
+from a trainer holding the float original and re-quantizes it in place: FP8 weights and
+per-channel scales rewritten in their storage, greedy output transformers' on the round's
+weights quantized per channel and dequantized (the engine's own FP8 activations are what vLLM's
+top-5 rule absorbs; the float round itself would be a looser reference), no recompile.
 """
 
 from __future__ import annotations
@@ -81,9 +88,10 @@ def run(request, tmp_path_factory) -> dict:
         "model": model,
         "prompts": PROMPTS,
         "max_tokens": MAX_TOKENS,
-        "engine": {**COMPILE_ENGINE, "tensor_parallel_size": tp},
+        "engine": {**COMPILE_ENGINE, "tensor_parallel_size": tp, "enable_sleep_mode": True},
         "workdir": str(workdir),
         "timeout_s": TIMEOUT_S,
+        "sleep": True,  # at the end: sleep at level 1, wake up, generate
     }
     label = f"weight update job ({backend}, {mode}, TP {tp})"
     result = job_result(run_job(JOB, json.dumps(job), env), label)
@@ -165,6 +173,13 @@ def test_after_a_failed_round_the_engine_serves_the_previous_weights(run):
     tokens = [o["tokens"] for o in run["after_failed_round"]]
     assert tokens == [o["tokens"] for o in run["round1"]]
     assert_close(run["after_failed_round"], run["references"]["round1"], f"{run['case']} failed")
+
+
+def test_sleeping_at_level_1_keeps_the_updated_weights(run):
+    # vLLM's level 1 offloads the weights to the host and restores them: the ones written in
+    # place by the updates, not the checkpoint's (waking the KV cache had reloaded those).
+    assert [o["tokens"] for o in run["after_sleep"]] == [o["tokens"] for o in run["round1"]]
+    assert_close(run["after_sleep"], run["references"]["round1"], f"{run['case']} after sleep")
 
 
 # ---------------------------------------------------------------- an update during traffic

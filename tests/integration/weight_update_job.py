@@ -7,7 +7,8 @@ serve each, then meet a trainer that dies mid-round, and report as one RESULT JS
 Job keys: model, prompts, max_tokens, engine (LLM kwargs), workdir (where the trainer saves each
 round's model for the reference), timeout_s (the transfer group's); optional: trainer_model (the
 float model a trainer of a quantized checkpoint holds), rounds (how many, 1 or 2), scale (of the
-perturbation), dying_trainer (false: no dying trainer after the rounds). The result holds the greedy
+perturbation), dying_trainer (false: no dying trainer after the rounds), sleep (true: at the end,
+sleep at level 1, wake up and generate again). The result holds the greedy
 outputs (engine_job.completion) before any update, after each round and after the failed round,
 the worker's recompile statistics after each, whether every parameter kept its storage, the
 engine's report, and the failed round's error with how long it took.
@@ -153,6 +154,10 @@ def main(job: dict) -> dict:
     out["stats_after_failed_round"] = stats()
     out["report_after_failure"] = report()
     out["same_storage_after_failure"] = storages() == ptrs
+    if job.get("sleep"):  # level 1 keeps what was written in place (engine: enable_sleep_mode)
+        llm.sleep(level=1)
+        llm.wake_up()
+        out["after_sleep"] = generate()
     return out
 
 

@@ -80,7 +80,12 @@ class SleepState:
 
     def restore(self, tag: str, *, reload: Callable[[], None] | None = None) -> int:
         """Re-allocate the storages released under `tag`: copied back from the host when a copy
-        was kept, zero-filled otherwise, then `reload()` (level 2 weights). Returns the bytes."""
+        was kept, zero-filled otherwise, then `reload()` when weights came back without a copy
+        (level 2). Returns the bytes.
+
+        Only the WEIGHTS tag reloads: the KV cache never keeps a copy, and reloading the
+        checkpoint when it woke put back the weights the engine loaded over any written in place
+        since (an update from a trainer) that level 1 had just copied back."""
         entries = self.released.pop(tag, None)
         if entries is None:
             return 0
@@ -94,7 +99,7 @@ class SleepState:
             else:
                 view.zero_()
                 needs_reload = True
-        if needs_reload and reload is not None:
+        if needs_reload and reload is not None and tag == WEIGHTS:
             reload()
         if not self.released:
             self.level = 0
