@@ -122,9 +122,27 @@ class ProcessGroupHCCL(ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._number = len(_GROUPS)
         _GROUPS[self._number] = self
+        self._group_name = self._group_desc = ""
 
     def name(self) -> str:
         return NAME
+
+    # torch.distributed names every group it makes (and looks groups up by name to destroy them);
+    # a process group of torch's own keeps the name in its C++ backend, which a group written in
+    # Python has not, so it keeps the name itself.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
 
     def getBackendName(self) -> str:
         return NAME
