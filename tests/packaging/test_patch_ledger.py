@@ -47,6 +47,8 @@ UNSEEN = {
     "vllm_gaudi_quant.patches.inc_patched_modules": "neural-compressor's patched-module table",
     # a public field of a config object, raised and restored
     "vllm_gaudi_platform.patches.token_budget": "scheduler_config.max_num_batched_tokens",
+    # a public attribute of layers found by walking the loaded model (a parameter, not an import)
+    "vllm_gaudi_platform.patches.chunked_local": "ChunkedLocalAttention.attn_backend",
 }
 
 

@@ -40,14 +40,17 @@ def _impl(window=None, softcap=None, sinks=None, alibi=None):
     )
 
 
-def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alibi=None, spans=()):
+def _reference(
+    q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alibi=None, spans=(), chunk=None
+):
     """Causal attention of q (new tokens at positions ctx..) over k_all/v_all (positions 0..), in
     float64: keys at least `window` positions behind a query are masked; a query and a key both
     in one of `spans` (inclusive position ranges: an image's tokens) see each other whatever
     their order (vLLM's mm prefix rule: (causal and window) or same span); with `softcap`, scores
     become softcap * tanh(scores / softcap) before the softmax; with `alibi` (a slope per head),
     scores gain slope * (key position - query position); with `sinks` (a logit per head), the
-    softmax runs over the scores and the head's sink, whose probability is dropped."""
+    softmax runs over the scores and the head's sink, whose probability is dropped; with `chunk`
+    (chunked local attention), a query sees only keys in its own chunk of positions."""
     group = HEADS // KV_HEADS
     q = q.double()
     k = k_all.double().repeat_interleave(group, dim=1)
@@ -60,6 +63,8 @@ def _reference(q, k_all, v_all, ctx, window=None, softcap=None, sinks=None, alib
     mask = kpos <= qpos
     if window is not None:
         mask &= qpos - kpos < window
+    if chunk is not None:
+        mask &= kpos // chunk == qpos // chunk
     for first, last in spans:
         mask |= (qpos >= first) & (qpos <= last) & (kpos >= first) & (kpos <= last)
     if alibi is not None:
@@ -86,13 +91,15 @@ def _run(
     split=False,
     layers=1,
     image_spans=None,
+    chunk=None,
 ):
     """Run one step through the backend; return its outputs and the reference per request.
     With `split`, a mixed step runs as the runner runs it: a decode pass, then a prefill pass,
     each over its own tokens with its part's metadata. With `layers`, that many layers of the
     same kind run the (unsplit) step one after another on its one metadata, as a model's
     layers do; the last layer's output is returned. `image_spans` (request -> inclusive position
-    ranges) makes the step an mm prefix LM's, as vLLM passes them."""
+    ranges) makes the step an mm prefix LM's, as vLLM passes them. `chunk`: the layers are
+    chunked local attention layers (their metadata carries the chunk, as their builder sets it)."""
     from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 
     gen = torch.Generator().manual_seed(seed)
@@ -146,6 +153,10 @@ def _run(
         device=torch.device("cpu"),
         image_spans=image_spans,
     )
+    if chunk is not None:
+        from vllm_gaudi_platform.attention.chunked_local import with_chunk
+
+        with_chunk(md, chunk)
     out = torch.zeros(total, HEADS * DIM, dtype=dtype)
     kv_cache = kv_cache.to(dtype)
     impl = _impl(window, softcap, sinks, alibi)
@@ -173,6 +184,7 @@ def _run(
             sinks,
             alibi,
             spans=(image_spans or {}).get(i, ()),
+            chunk=chunk,
         ).reshape(query_lens[i], -1)
         for i in range(n)
     ]

@@ -84,41 +84,6 @@ def check_async_scheduling(vllm_config: VllmConfig) -> None:
         scheduler_config.async_scheduling = False
 
 
-def check_attention_chunk(vllm_config: VllmConfig) -> None:
-    """Refuse a model with chunked local attention (Llama 4's attention_chunk_size) that the HPU
-    would compute wrongly or not at all:
-    - a context longer than one chunk: the HPU attention backend attends over the whole context
-      (it has no chunk-local masks yet), which equals chunked attention only while every
-      sequence fits in one chunk;
-    - a chunk that is not a whole number of KV blocks: vLLM splits requests into chunks of whole
-      blocks and would stop the engine at the first request."""
-    model_config = vllm_config.model_config
-    chunk = getattr(model_config, "attention_chunk_size", None) if model_config else None
-    if not chunk:
-        return
-    if model_config.max_model_len > chunk:
-        raise ValueError(
-            f"{model_config.model}: chunked local attention (attention_chunk_size={chunk}) has "
-            "no HPU implementation yet: the HPU attends over the whole context, which is the "
-            f"same only while a sequence fits in one chunk. Serve it with max_model_len <= "
-            f"{chunk} (--max-model-len {chunk}); max_model_len is {model_config.max_model_len}."
-        )
-    block_size = vllm_config.cache_config.block_size
-    if chunk % block_size == 0:
-        return
-    divisors = [b for b in (128, 64, 32, 16) if chunk % b == 0]
-    fix = (
-        f"start it with block_size={divisors[0]} (--block-size {divisors[0]})"
-        if divisors
-        else "this model cannot be served with paged KV blocks on HPU"
-    )
-    raise ValueError(
-        f"{model_config.model}: its attention_chunk_size ({chunk}) is not a multiple of the KV "
-        f"block size ({block_size}), and chunked local attention needs whole blocks per chunk: "
-        f"{fix}."
-    )
-
-
 def check_bucketing(vllm_config: VllmConfig) -> None:
     """Build the bucket plan once here, in the process that parses the config, so a bad
     VLLM_*_BUCKET_* setting stops startup with the variable's name before workers spawn."""

@@ -227,7 +227,10 @@ class HpuPlatform(Platform):
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
         if getattr(attn_selector_config, "use_sparse", False):
-            raise NotImplementedError("Sparse attention is not supported on HPU.")
+            raise NotImplementedError(
+                "Sparse attention (the indexer-selected MLA of DeepSeek-V3.2 and GLM-5) is not "
+                "supported on HPU: serve a model with dense attention."
+            )
         if getattr(attn_selector_config, "use_mla", False):
             return MLA_BACKEND_CLS
         return ATTENTION_BACKEND_CLS
@@ -388,8 +391,6 @@ class HpuPlatform(Platform):
             backends = cls._find_non_ssm_backends(vllm_config)
             if backends:
                 cls._align_hybrid_block_size(vllm_config, backends[0])
-        # The block size is final here: a chunked local attention must hold whole blocks.
-        config_checks.check_attention_chunk(vllm_config)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -2,8 +2,9 @@
 by the step's buckets.
 
 - `HPUAttentionMetadata`: the step's tensors, and what the layers derive from them: the narrowing
-  of the block gathers to a sliding window (`prefill_keys_for`, `decode_blocks_for`, bounded by
-  `window_blocks`), the boolean mask of each prefill query slice (`prefill_slice_mask`), and
+  of the block gathers to a sliding window or to the current chunk of chunked local attention
+  (`prefill_keys_for`, `decode_blocks_for`, bounded by `window_blocks`), the boolean mask of each
+  prefill query slice (`prefill_slice_mask`), and
   any other per-step mask (`derived`). Each is built by the first layer that asks and reused by
   every later layer of the step with the same parameters, so the mask work of a step does not
   grow with the number of layers;
@@ -64,6 +65,10 @@ class HPUAttentionMetadata:
     prefill_q_reach: torch.Tensor | None = None  # [rows, q_bucket]
     # Some row holds more than one sequence: the causal fast path and window narrowing are off.
     prefill_packed: bool = False
+    # Chunked local attention (Llama 4's attention_chunk_size; None for every other layer): a
+    # query at position p attends keys from position (p // chunk) * chunk up to p only. Set on
+    # the metadata of the layers that have it (their own attention group: chunked_local.py).
+    attention_chunk: int | None = None
     # decode part (None when the step has none)
     decode_block_list: torch.Tensor | None = None  # [num_blocks_bucket]
     decode_block_groups: torch.Tensor | None = None  # [num_blocks_bucket] sequence of each block
@@ -90,9 +95,9 @@ class HPUAttentionMetadata:
     parts: tuple[HPUAttentionMetadata, ...] | None = None
     # Tensors the layers derive from the fields above, built by the first layer that asks and
     # shared by the later ones (see `derived`): per (part, window) the narrowed gather of that
-    # window (("decode", 0) holds the unwindowed decode slot bias), the prefill slice masks, and
-    # the masks impl.py builds itself (ALiBi, encoder-only). Rebuilt when the fields change
-    # (graph replays clear it).
+    # window (("decode", "used slots") holds the bare decode slot bias), the prefill slice
+    # masks, and the masks impl.py builds itself (ALiBi, encoder-only). Rebuilt when the fields
+    # change (graph replays clear it).
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
     def derived(self, key: tuple[Any, ...], build: Callable[..., T], *args: Any) -> T:
@@ -116,13 +121,15 @@ class HPUAttentionMetadata:
 
     def prefill_causal_only(self) -> bool:
         """True when plain causal attention over each row's own new tokens is the whole mask:
-        one sequence per row, no context in the bucket and no image spans to see ahead in."""
+        one sequence per row, no context in the bucket, no image spans to see ahead in, and with
+        a chunked local attention, every position of the bucket inside the first chunk."""
         p = self.layout.prefill
         return (
             p is not None
             and p.ctx_bucket == 0
             and not self.prefill_packed
             and self.prefill_q_reach is None
+            and (self.attention_chunk is None or p.query_bucket <= self.attention_chunk)
         )
 
     def prefill_keys_for(
@@ -134,23 +141,35 @@ class HPUAttentionMetadata:
         With a window and one sequence per row, only `window_blocks(window, block_size)` blocks
         per row are gathered (fewer when the bucket has fewer): the last blocks of the row's
         sequence that reach into the window of its first new token. Which blocks depends on the
-        data; how many does not.
+        data; how many does not. Chunked local attention narrows the same way to the chunk of
+        the row's first new token (later chunks of the row hold new tokens only).
         """
         assert self.prefill_ctx_blocks is not None and self.prefill_k_seq is not None
         assert self.prefill_k_pos is not None and self.prefill_ctx_lag is not None
         blocks, k_seq, k_pos = self.prefill_ctx_blocks, self.prefill_k_seq, self.prefill_k_pos
         cb = blocks.shape[1]
-        if window is None or self.prefill_packed:
+        chunk = self.attention_chunk
+        if (window is None and chunk is None) or self.prefill_packed:
             return blocks, k_seq, k_pos
-        keep = min(cb, window_blocks(window, block_size))
+        span = min(s for s in (window, chunk) if s is not None)
+        keep = min(cb, window_blocks(span, block_size))
         if keep == cb:
             return blocks, k_seq, k_pos
         key = ("prefill", window)
         if key not in self._derived:
-            # A row's sequence owns slots [0, n); the blocks wholly behind the window are a prefix
-            # of those. Start after that prefix, moved left so the slice stays inside the bucket.
+            # A row's sequence owns slots [0, n); the blocks wholly behind the window (or before
+            # the chunk) are a prefix of those. Start after that prefix, moved left so the slice
+            # stays inside the bucket.
             lag = self.prefill_ctx_lag
-            behind = ((lag >= window) & (lag < UNUSED_LAG)).sum(dim=1)
+            far = torch.zeros_like(lag, dtype=torch.bool)
+            if window is not None:
+                far |= lag >= window
+            if chunk is not None:
+                assert self.prefill_q_pos is not None
+                # A block ends before the chunk of the first new token (position p) iff its
+                # lag exceeds p's offset in its chunk.
+                far |= lag > (self.prefill_q_pos[:, :1] % chunk)
+            behind = (far & (lag < UNUSED_LAG)).sum(dim=1)
             start = behind.clamp(max=cb - keep)
             slots = start[:, None] + torch.arange(keep, device=blocks.device)  # [rows, keep]
             chosen = blocks.gather(1, slots)
@@ -168,7 +187,8 @@ class HPUAttentionMetadata:
         """Boolean mask [rows, 1, q1 - q0, keys] of query cells q0..q1 against the key columns
         of `prefill_keys_for(window)` up to the slice's last new token (up to the last new token
         of the bucket with image spans, `prefill_q_reach`): same owner, not in the future (not
-        past the query's reach), and (with a window) fewer than `window` positions behind. Built
+        past the query's reach), (with a window) fewer than `window` positions behind, and (with
+        chunked local attention) in the query's chunk. Built
         once per step for each slice and window; the attention reads as many keys as the mask
         has columns."""
         return self.derived(
@@ -191,6 +211,8 @@ class HPUAttentionMetadata:
         mask = (q_seq == k_seq[:, None, :keys]) & (k_pos <= last)
         if window is not None:
             mask &= q_pos - k_pos < window
+        if self.attention_chunk is not None:
+            mask &= k_pos // self.attention_chunk == q_pos // self.attention_chunk
         return mask[:, None]
 
     def decode_blocks_for(
@@ -204,7 +226,9 @@ class HPUAttentionMetadata:
         dropped: the list keeps `batch_bucket * window_blocks(window, block_size)` entries (or
         the bucket's count if smaller), the blocks that reach into some sequence's window first,
         padding after; the slot bias is -inf also on slots `window` or more positions behind the
-        query.
+        query. Chunked local attention narrows the same way to the query's chunk: slots before
+        the chunk's first position are masked, and `window_blocks(chunk)` blocks per sequence
+        are kept.
         """
         blocks, groups, usage = (
             self.decode_block_list,
@@ -212,22 +236,31 @@ class HPUAttentionMetadata:
             self.decode_block_usage,
         )
         assert blocks is not None and groups is not None and usage is not None
+        chunk = self.attention_chunk
         key = ("decode", window or 0)
         if key in self._derived:
             return self._derived[key]
         slot = torch.arange(block_size, device=usage.device)
-        if window is None:
+        base = ("decode", "used slots")
+        if base not in self._derived:
             bias = torch.zeros(usage.numel(), block_size, device=usage.device)
-            bias.masked_fill_(slot[None, :] >= usage[:, None], float("-inf"))
+            self._derived[base] = bias.masked_fill_(slot[None, :] >= usage[:, None], float("-inf"))
+        bias = self._derived[base]
+        if window is None and chunk is None:
             self._derived[key] = (blocks, groups, bias)
             return self._derived[key]
-        _, _, bias = self.decode_blocks_for(None, batch_bucket, block_size)
         assert self.decode_block_start is not None and self.decode_query_pos is not None
         nb = bias.shape[0]
         pos = self.decode_block_start[:, None] + slot[None, :]
-        far = self.decode_query_pos[:, None] - pos >= window
+        query = self.decode_query_pos[:, None]
+        far = torch.zeros_like(pos, dtype=torch.bool)
+        span = min(s for s in (window, chunk) if s is not None)
+        if window is not None:
+            far |= query - pos >= window
+        if chunk is not None:
+            far |= pos < query // chunk * chunk  # before the query's chunk
         bias = bias.masked_fill(far, float("-inf"))
-        keep = min(nb, batch_bucket * window_blocks(window, block_size))
+        keep = min(nb, batch_bucket * window_blocks(span, block_size))
         if keep < nb:
             # A block reaches into the window iff some used slot is not behind it; each
             # sequence has at most window_blocks such blocks, so `keep` holds them all.

@@ -77,14 +77,16 @@ def static_metadata(md: HPUAttentionMetadata) -> HPUAttentionMetadata:
 
 def packing_matters(layers: Iterable[Any]) -> bool:
     """Whether packing several sequences into a prefill row changes the attention branch even
-    in a bucket with cached context: it does for a windowed layer (the window narrows each
-    row's context only with one sequence per row) and for an encoder-only layer, which has no
-    context and takes its packed path (a same-sequence mask) at every bucket it is padded to,
-    whatever the bucket's context blocks. Every other layer branches on packing only without
+    in a bucket with cached context: it does for a windowed or chunked local layer (the window
+    or chunk narrows each row's context only with one sequence per row) and for an
+    encoder-only layer, which has no context and takes its packed path (a same-sequence mask)
+    at every bucket it is padded to, whatever the bucket's context blocks. Every other layer branches on packing only without
     context (the causal fast path)."""
     for layer in layers:
         impl = getattr(layer, "impl", None)
         if getattr(impl, "sliding_window", None) is not None:
+            return True
+        if getattr(layer, "attention_chunk_size", None):  # vLLM's ChunkedLocalAttention
             return True
         if getattr(impl, "attn_type", None) == AttentionType.ENCODER_ONLY:
             return True
@@ -336,15 +338,11 @@ def live_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def static_metadata_by_layer(
     runner: Any, metadata: HPUAttentionMetadata
 ) -> dict[str, HPUAttentionMetadata]:
-    """Per-layer static metadata of one bucket: one copy per KV-cache group, since each group's
-    step metadata is written into its own buffers."""
-    from vllm_gaudi_platform.worker import hybrid
+    """Per-layer static metadata of one bucket: one copy per attention group (warmup.py,
+    `metadata_by_layer`), since each group's step metadata is written into its own buffers."""
+    from vllm_gaudi_platform.worker import warmup
 
-    static: dict[str, HPUAttentionMetadata] = {}
-    for group in runner.kv_cache_config.kv_cache_groups:
-        group_md = static_metadata(hybrid.for_group(metadata, group))
-        static.update(dict.fromkeys(group.layer_names, group_md))
-    return static
+    return warmup.metadata_by_layer(runner, metadata, static_metadata)
 
 
 def recapture(runner: Any) -> None:

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
 
 from vllm_gaudi_platform import envs, quant_hooks
+from vllm_gaudi_platform.attention import chunked_local
 from vllm_gaudi_platform.worker import compiled, hpu_graphs, hybrid, spec_decode, vision
 from vllm_gaudi_platform.worker.compiled import compile_wanted
 
@@ -27,6 +28,8 @@ def load(runner: Any, model: torch.nn.Module | None) -> None:
     # Any: vLLM's model classes add methods (compute_logits, ...) that nn.Module lacks.
     loaded: Any = model if model is not None else get_model(vllm_config=runner.vllm_config)
     hybrid.check_state_layers(loaded)
+    # Chunked local attention as masks over the step's layout (attention/chunked_local.py).
+    chunked_local.use_hpu_chunking(loaded)
     runner.model = loaded
     if runner.lora_config:
         # vLLM's LoRA manager swaps the supported layers for LoRA layers whose products run

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 
 from vllm_gaudi_platform import envs
-from vllm_gaudi_platform.attention import step_layout
+from vllm_gaudi_platform.attention import chunked_local, step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.attention.metadata_builder import build_metadata
 from vllm_gaudi_platform.bucketing import Bucket
@@ -185,13 +186,37 @@ def run_bucket(runner: Any, bucket: Bucket, num_blocks: int, *, packed: bool = F
         runner.draft_bucketing.warm(dict.fromkeys(layers, metadata), total)
 
 
-def _attention_group_layers(runner: Any, gid: int, group: Any) -> list[list[str]]:
-    """The layer names of each attention group (one metadata object in serving) of KV-cache
-    group `gid`; the whole group when the runner has not formed attention groups."""
-    attn_groups = getattr(runner, "attn_groups", None)
-    if not attn_groups or gid >= len(attn_groups) or not attn_groups[gid]:
-        return [list(group.layer_names)]
-    return [list(g.layer_names) for g in attn_groups[gid]]
+def attention_groups(runner: Any) -> list[tuple[Any, list[str], int | None]]:
+    """The sets of layers that read one metadata object in a serving step (vLLM builds one per
+    attention group: the layers of a KV-cache group that share a backend), each with its
+    KV-cache group and its chunk of chunked local attention (None for other layers)."""
+    sets = []
+    attn_groups = getattr(runner, "attn_groups", None) or []
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        if gid < len(attn_groups) and attn_groups[gid]:
+            for ag in attn_groups[gid]:
+                sets.append((group, list(ag.layer_names), chunked_local.chunk_of(ag.backend)))
+        else:  # no attention groups formed (a runner under test): the whole KV-cache group
+            sets.append((group, list(group.layer_names), None))
+    return sets
+
+
+def metadata_by_layer(
+    runner: Any,
+    metadata: HPUAttentionMetadata,
+    own: Callable[[HPUAttentionMetadata], HPUAttentionMetadata],
+) -> dict[str, HPUAttentionMetadata]:
+    """Warmup's metadata of one bucket for every layer, as a serving step hands it out: per
+    attention group, state fields for a state group only (`hybrid.for_group`), the chunk for
+    chunked local layers; `own(md)` makes each group's object its own (a deep copy, the
+    graphs' static buffers)."""
+    by_layer: dict[str, HPUAttentionMetadata] = {}
+    for group, names, chunk in attention_groups(runner):
+        group_md = own(hybrid.for_group(metadata, group))
+        if chunk is not None:
+            group_md = chunked_local.with_chunk(group_md, chunk)
+        by_layer.update(dict.fromkeys(names, group_md))
+    return by_layer
 
 
 def forward_with_metadata(
@@ -213,24 +238,12 @@ def forward_with_metadata(
     if capture:
         attn_metadata = runner._static_metadata(metadata)
     else:
-        # Metadata of its own (layout and tensors) per attention group of each KV-cache group,
-        # as serving steps have (vLLM builds one per group of layers sharing a backend and a
-        # cache spec): a compiled graph guards an object through the first layer that read it,
-        # and which layers share it by identity, so layers sharing one object here and not in
-        # serving (state and attention groups; Gemma 4's sliding and full layers, Llama 4's
-        # chunked and global ones) would recompile every bucket in serving.
-        groups = runner.kv_cache_config.kv_cache_groups
-        layer_sets = [
-            (group, names)
-            for gid, group in enumerate(groups)
-            for names in _attention_group_layers(runner, gid, group)
-        ]
-        attn_metadata = {}
-        for group, names in layer_sets:
-            group_md = hybrid.for_group(metadata, group)
-            if len(layer_sets) > 1:
-                group_md = copy.deepcopy(group_md)
-            attn_metadata.update(dict.fromkeys(names, group_md))
+        # Metadata of its own (layout and tensors) per attention group, as serving steps have:
+        # a compiled graph guards an object through the first layer that read it, and which
+        # layers share it by identity, so layers sharing one object here and not in serving
+        # (state and attention groups; Gemma 4's sliding and full layers, Llama 4's chunked
+        # and global ones) would compile every bucket again in serving.
+        attn_metadata = metadata_by_layer(runner, metadata, copy.deepcopy)
     with set_forward_context(
         attn_metadata,
         runner.vllm_config,
