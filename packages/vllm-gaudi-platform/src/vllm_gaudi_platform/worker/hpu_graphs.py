@@ -80,8 +80,8 @@ def packing_matters(layers: Iterable[Any]) -> bool:
     in a bucket with cached context: it does for a windowed or chunked local layer (the window
     or chunk narrows each row's context only with one sequence per row) and for an
     encoder-only layer, which has no context and takes its packed path (a same-sequence mask)
-    at every bucket it is padded to, whatever the bucket's context blocks. Every other layer branches on packing only without
-    context (the causal fast path)."""
+    at every bucket it is padded to, whatever the bucket's context blocks. Every other layer
+    branches on packing only without context (the causal fast path)."""
     for layer in layers:
         impl = getattr(layer, "impl", None)
         if getattr(impl, "sliding_window", None) is not None:
