@@ -83,6 +83,32 @@ def as_result(choice: dict) -> dict:
     return {"tokens": tokens, "logprobs": top}
 
 
+def chat_body(messages: list[dict], max_tokens: int) -> dict:
+    """A greedy chat request returning token ids and top-5 logprobs keyed 'token_id:N'."""
+    return {
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+
+
+def chat_result(choice: dict) -> dict:
+    """A chat choice (of a `chat_body` request) in generation.assert_close's form."""
+    tokens = choice["token_ids"]
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in tokens]
+    top = [
+        {t["token"].removeprefix("token_id:"): t["logprob"] for t in c["top_logprobs"]}
+        for c in content
+    ]
+    return {"tokens": tokens, "logprobs": top}
+
+
 def post(client: httpx.Client, path: str, body: dict) -> dict:
     """POST `body` as JSON; the test fails with the response text unless it is 200."""
     response = client.post(path, json=body)

@@ -39,18 +39,6 @@ CHAT = [{"role": "user", "content": "Hello world! How are you today?"}]
 STATS_ENV = "VLLM_HPU_OPS_STATS_FILE"
 
 
-def chat_as_result(choice: dict) -> dict:
-    """A chat choice in generation.assert_close's form (tokens + top-5 per position)."""
-    tokens = choice["token_ids"]
-    content = choice["logprobs"]["content"]
-    assert [step["token"] for step in content] == [f"token_id:{t}" for t in tokens]
-    top = [
-        {alt["token"].removeprefix("token_id:"): alt["logprob"] for alt in step["top_logprobs"]}
-        for step in content
-    ]
-    return {"tokens": tokens, "logprobs": top}
-
-
 @pytest.fixture(scope="module")
 def served(clean_env, tmp_path_factory) -> Iterator[dict]:
     """One server's answers, its worker's statistics and, after it stopped, the op counters."""
@@ -70,16 +58,7 @@ def served(clean_env, tmp_path_factory) -> Iterator[dict]:
         before = cluster.settled_metric(base, HITS)
         out["second"] = post(client, "/v1/completions", body)["choices"]
         out["hits"] = cluster.settled_metric(base, HITS) - before
-        chat = {
-            "messages": CHAT,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": True,
-            "top_logprobs": 5,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-        }
+        chat = openai_server.chat_body(CHAT, MAX_TOKENS)
         out["chat"] = post(client, "/v1/chat/completions", chat)
         rpc = {"method": "get_recompile_stats"}
         out["stats"] = post(client, "/collective_rpc", rpc)["results"][0]
@@ -117,7 +96,7 @@ def test_served_chat_matches_transformers_on_the_templated_prompt(served):
     choice = body["choices"][0]
     assert choice["message"]["role"] == "assistant"
     assert choice["finish_reason"] == "length"
-    ours = [chat_as_result(choice)]
+    ours = [openai_server.chat_result(choice)]
     diverged = assert_close(ours, hf_greedy(served["model"], [prompt], MAX_TOKENS), "chat")
     assert diverged == 0
 

@@ -42,7 +42,7 @@ from tests.integration.generation import (
     named_job_outputs,
     run_job,
 )
-from tests.integration.vision import CASES, MAX_TOKENS, chat_messages, chat_result, hf_greedy
+from tests.integration.vision import CASES, MAX_TOKENS, chat_messages, hf_greedy
 from tests.vllm_build import needs_vllm_cpu_backend
 
 pytestmark = pytest.mark.engine
@@ -270,18 +270,9 @@ def served(server) -> dict[str, dict]:
     results = {}
     with httpx.Client(base_url=server, timeout=300, trust_env=False) as client:
         for name in SERVED:
-            body = {
-                "messages": chat_messages(CASES[name]),
-                "max_tokens": MAX_TOKENS,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "logprobs": True,
-                "top_logprobs": 5,
-                "return_token_ids": True,
-                "return_tokens_as_token_ids": True,
-            }
+            body = openai_server.chat_body(chat_messages(CASES[name]), MAX_TOKENS)
             choice = openai_server.post(client, "/v1/chat/completions", body)["choices"][0]
-            results[name] = chat_result(choice)
+            results[name] = openai_server.chat_result(choice)
         results["stats"] = openai_server.post(
             client, "/collective_rpc", {"method": "get_recompile_stats"}
         )

@@ -102,16 +102,3 @@ def data_url(picture: Any) -> str:
 def chat_messages(case: Case) -> list[dict]:
     """The case as OpenAI chat messages, each image an `image_url` part with a data URL."""
     return case.messages(lambda p: {"type": "image_url", "image_url": {"url": data_url(p)}})
-
-
-def chat_result(choice: dict) -> dict:
-    """A chat completion choice (return_token_ids, return_tokens_as_token_ids, top_logprobs=5)
-    in generation.assert_close's form."""
-    tokens = choice["token_ids"]
-    content = choice["logprobs"]["content"]
-    assert [c["token"] for c in content] == [f"token_id:{t}" for t in tokens]
-    top = [
-        {t["token"].removeprefix("token_id:"): t["logprob"] for t in c["top_logprobs"]}
-        for c in content
-    ]
-    return {"tokens": tokens, "logprobs": top}
