@@ -92,7 +92,8 @@ VLLM_FULL_WARMUP = _declare(
 VLLM_GRAPH_RESERVED_MEM = _declare(
     "VLLM_GRAPH_RESERVED_MEM",
     "0.1",
-    "Share (0..1) of the usable device memory kept back for captured graphs, not KV cache.",
+    "Least share (0..1) of the usable device memory kept back for captured graphs, not KV "
+    "cache; more when the profile run's sampled graphs bound the plan's graphs above it.",
     kind="float",
 )
 VLLM_PREFILL_QUERY_SLICE = _declare(

@@ -165,6 +165,7 @@ SUBCLASSES: tuple[Subclass, ...] = (
                 "_run_model",
                 "_rewindable_generators",
                 "token_side_buffers",
+                "serving_plan",
             }
         ),
     ),

@@ -96,8 +96,9 @@ class HPUWorker(Worker):
         usable = total * gpu_memory_utilization - weights - peak activations of the profile run
         (profiling.py: the largest prompt bucket with its metadata, the attention and state
         layers' kernels included, then vLLM's profile run), read as the device's peak since a
-        reset, not as what stays allocated; then a reserve for captured HPU graphs
-        (VLLM_GRAPH_RESERVED_MEM share; none with enforce_eager=True, which captures no graphs).
+        reset, not as what stays allocated; then a reserve for the HPU graphs warmup captures:
+        what the profile run's sampled graphs bound the plan's at (graph_memory.py), at least the
+        VLLM_GRAPH_RESERVED_MEM share (none without graphs: enforce_eager=True, torch.compile).
         The KV cache of a model with state layers holds their state slots in the same pages
         (vLLM's hybrid allocator sizes one page per group layer for both): the budget covers them.
         An explicit kv_cache_memory_bytes wins, as on every vLLM platform.
@@ -118,36 +119,48 @@ class HPUWorker(Worker):
         activations = used_peak - used_before
         weights = sum(p.numel() * p.element_size() for p in self.model_runner.model.parameters())
         usable = total * self.cache_config.gpu_memory_utilization - weights - activations
-        reserve = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
-        if not self.model_runner.graphs.enabled:
-            reserve = 0.0
-        kv_bytes = int(max(usable, 0) * (1.0 - reserve))
+        measured = measured if measured is not None else profiling.ProfileMemory()
+        share = envs.get_number(envs.VLLM_GRAPH_RESERVED_MEM, lo=0.0, hi=1.0)
+        graph_reserve = 0
+        if self.model_runner.graphs.enabled:
+            # The share, or what the profile run's sampled graphs bound the plan's at if more.
+            graph_reserve = max(int(max(usable, 0) * share), measured.graphs_estimate)
+        kv_bytes = int(usable) - graph_reserve
         self.profile_memory = dataclasses.replace(
-            measured if measured is not None else profiling.ProfileMemory(),
+            measured,
             before=used_before,
             peak=used_peak,
             after=self.seam.memory_allocated(),
             weights=weights,
-            kv_budget=kv_bytes,
-            graph_reserve=int(max(usable, 0) * reserve),
+            kv_budget=max(kv_bytes, 0),
+            graph_reserve=graph_reserve,
         )
         if kv_bytes <= 0:
             raise ValueError(
                 f"No HPU memory left for the KV cache: total {total / 2**30:.2f} GiB x "
                 f"gpu_memory_utilization {self.cache_config.gpu_memory_utilization} - weights "
                 f"{weights / 2**30:.2f} GiB - activations {activations / 2**30:.2f} GiB (the "
-                "profile run's peak). Raise gpu_memory_utilization, lower "
-                "max_num_batched_tokens, or set kv_cache_memory_bytes."
+                f"profile run's peak) - HPU graphs {graph_reserve / 2**30:.2f} GiB (the larger "
+                f"of {envs.VLLM_GRAPH_RESERVED_MEM}={share} and the {measured.graph_runs} "
+                "graphs of the bucket plan as sampled). Raise gpu_memory_utilization, lower "
+                "max_num_batched_tokens or max_num_seqs (fewer, smaller buckets), run without "
+                "HPU graphs (enforce_eager=True, or PT_HPU_LAZY_MODE=0 for torch.compile), or "
+                "set kv_cache_memory_bytes."
             )
         logger.info(
             "KV cache: %.2f GiB (total %.2f GiB, weights %.2f GiB, activations %.2f GiB at the "
-            "profile run's peak, %.2f GiB of them still allocated after it, graph reserve %.0f%%)",
+            "profile run's peak, %.2f GiB of them still allocated after it, HPU graphs %.2f GiB: "
+            "%s)",
             kv_bytes / 2**30,
             total / 2**30,
             weights / 2**30,
             activations / 2**30,
             max(self.profile_memory.after - used_before, 0) / 2**30,
-            reserve * 100,
+            graph_reserve / 2**30,
+            "none captured"
+            if not self.model_runner.graphs.enabled
+            else f"{measured.graph_runs} graphs bounded from {len(measured.graph_samples)} "
+            f"sampled, at least {envs.VLLM_GRAPH_RESERVED_MEM}={share}",
         )
         return kv_bytes
 

@@ -188,19 +188,26 @@ class HPUModelRunner(GPUModelRunner):
         self.block_size = hybrid.attention_block_size(self.kv_cache_config.kv_cache_groups)
         if self.trace_recorder is not None:
             self.trace_recorder.block_size = self.block_size
-        sched = self.scheduler_config
         self.has_state_layers = hybrid.has_state_layers(self)
         if self.has_state_layers and self.cache_config.mamba_cache_mode == "align":
             mamba_state_copies.register_regions(hybrid.state_tensors(self))
+        self.bucket_plan = self.serving_plan(kv_cache_config.num_blocks)
+
+    def serving_plan(self, num_kv_blocks: int | None) -> BucketPlan:
+        """The plan warmup runs for a KV cache of `num_kv_blocks` (None: not sized yet, the
+        decode block range uncapped): the environment's buckets, without packed rows for a model
+        with state layers (else with the packed-context buckets), plus the verification buckets
+        of speculative decoding."""
+        sched = self.scheduler_config
         plan = plan_from_env(
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
-            num_kv_blocks=kv_cache_config.num_blocks,
+            num_kv_blocks=num_kv_blocks,
             environ=hybrid.plan_environ(self.has_state_layers, sched.max_num_seqs),
         )
-        self.bucket_plan = (
+        plan = (
             hybrid.plan_without_packing(plan)
             if self.has_state_layers
             else step_layout.with_packed_context(
@@ -208,10 +215,10 @@ class HPUModelRunner(GPUModelRunner):
             )
         )
         # Speculative decoding: verification steps (1 + k tokens per sequence) get their buckets.
-        self.bucket_plan = spec_decode.with_verify_buckets(
-            self.bucket_plan,
+        return spec_decode.with_verify_buckets(
+            plan,
             spec_decode.verify_buckets(
-                self.bucket_plan,
+                plan,
                 num_speculative_tokens=spec_decode.num_speculative_tokens(self.speculative_config),
                 max_model_len=self.max_model_len,
                 block_size=self.block_size,

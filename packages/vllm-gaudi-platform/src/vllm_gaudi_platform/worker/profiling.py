@@ -4,12 +4,14 @@ vLLM's own profile run (`GPUModelRunner.profile_run`: a dummy pass of max_num_ba
 sampler, a multimodal model's encoder) runs without attention metadata, so neither the attention
 kernels nor the state layers' kernels (Mamba2, gated delta net) run in it: their intermediates
 (attention scores, a state layer's chunked scan over a prefill) would be missing from the peak.
-`profile_run` first runs the plan's largest prompt bucket as warmup runs it, with its metadata,
-over a minimal KV cache (vLLM's own: one block per group, state slots included), eagerly (no HPU
-graph is captured and torch.compile is not entered, so nothing of the profile stays), then vLLM's
-profile run.
+`profile_run` sets up a minimal KV cache (vLLM's own: one block per group, state slots
+included). With HPU graphs on, it first captures a few of the plan's graphs over it and measures
+what each holds, dropping each at once (graph_memory.py: the whole plan's graphs are bounded from
+them, and the worker keeps that back from the KV cache). Then it runs the plan's largest prompt
+bucket as warmup runs it, with its metadata, eagerly (no HPU graph is captured and torch.compile
+is not entered, so nothing of the profile stays), then vLLM's profile run.
 
-The worker reads the device's peak across both (`seam.max_memory_allocated` after
+The worker reads the device's peak across the last two (`seam.max_memory_allocated` after
 `reset_peak_memory_stats`: the most allocated at any moment, transient tensors freed before
 the run returned included), not what stays allocated after it.
 """
@@ -26,7 +28,7 @@ from vllm.config import get_current_vllm_config, set_current_vllm_config
 from vllm.logger import init_logger
 
 from vllm_gaudi_platform.bucketing import Bucket, plan_from_env
-from vllm_gaudi_platform.worker import hybrid, warmup
+from vllm_gaudi_platform.worker import graph_memory, hybrid, warmup
 from vllm_gaudi_platform.worker.cuda_stand_ins import mamba_state_copies
 
 logger = init_logger(f"vllm.{__name__}")
@@ -52,6 +54,11 @@ class ProfileMemory:
     # included), and what stays allocated after it (the captured HPU graphs).
     warmup_peak: int = 0
     graphs_held: int = 0
+    # HPU graphs sampled in the profile run (graph_memory.py): each one's bucket and bytes held,
+    # the plan's graph count and the bound on what they hold together.
+    graph_samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    graph_runs: int = 0
+    graphs_estimate: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -89,6 +96,10 @@ def profile_run(runner: Any, vllm_profile_run: Any) -> ProfileMemory:
     try:
         state_layers = _state_layers(runner)
         result.state_layers = len(state_layers)
+        if runner.graphs.enabled:
+            _sample_graphs(runner, result)
+            # What the samples held is freed: the peak the worker reads is the passes' below.
+            runner.seam.reset_peak_memory_stats()
         bucket = largest_prompt_bucket(runner)
         if bucket is not None:
             result.bucket = str(bucket)
@@ -109,6 +120,28 @@ def profile_run(runner: Any, vllm_profile_run: Any) -> ProfileMemory:
         result.state_layers,
     )
     return result
+
+
+def _sample_graphs(runner: Any, result: ProfileMemory) -> None:
+    """The HPU graphs' memory: a few of the plan's graphs captured and measured, the whole
+    plan's bounded from them (graph_memory.py). The plan is the one warmup will run, its decode
+    block range not yet capped by the KV cache's size (an upper bound)."""
+    runs = warmup.warmup_runs(runner, runner.serving_plan(None))
+    if not runs:
+        return
+    with _eager_uncaptured(runner, graphs=True):
+        taken = graph_memory.sample(runner, graph_memory.samples_to_take(runs, runner.block_size))
+    result.graph_samples = [s.as_dict() for s in taken]
+    result.graph_runs = len(runs)
+    result.graphs_estimate = graph_memory.estimate(runs, taken, runner.block_size)
+    logger.info(
+        "HPU graphs: %d sampled in the profile run (%s); the plan's %d graphs hold at most "
+        "%.3f GiB",
+        len(taken),
+        ", ".join(f"{s.run[0]}: {s.held / 2**20:.1f} MiB" for s in taken),
+        len(runs),
+        result.graphs_estimate / 2**30,
+    )
 
 
 def _minimal_kv_cache(runner: Any) -> None:
@@ -134,11 +167,12 @@ def _state_layers(runner: Any) -> dict[str, torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def _eager_uncaptured(runner: Any) -> Iterator[None]:
-    """No HPU graph captured, no compiled pass and no draft head for the profile pass: what it
-    allocates is freed when it returns."""
+def _eager_uncaptured(runner: Any, *, graphs: bool = False) -> Iterator[None]:
+    """No compiled pass and no draft head for the profile pass, and no HPU graph captured
+    unless `graphs` (the samples, dropped at once): what it allocates is freed when it
+    returns."""
     saved = (runner.graphs.enabled, runner.compiled_forward_on, runner.draft_bucketing)
-    runner.graphs.enabled = False
+    runner.graphs.enabled = graphs
     runner.compiled_forward_on = False
     runner.draft_bucketing = None
     try:

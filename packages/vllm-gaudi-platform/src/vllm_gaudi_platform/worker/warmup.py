@@ -24,7 +24,7 @@ from vllm_gaudi_platform import envs
 from vllm_gaudi_platform.attention import chunked_local, step_layout
 from vllm_gaudi_platform.attention.metadata import HPUAttentionMetadata
 from vllm_gaudi_platform.attention.metadata_builder import build_metadata
-from vllm_gaudi_platform.bucketing import Bucket
+from vllm_gaudi_platform.bucketing import Bucket, BucketPlan
 from vllm_gaudi_platform.worker import hybrid, vision
 from vllm_gaudi_platform.worker import lora as hpu_lora
 
@@ -88,19 +88,7 @@ def warmup_model(runner: Any) -> None:
         if runner.compiled_model is not None:
             runner.compiled_model.warmup_done()
         return
-    # Each bucket once, then the packed-prefill variant of the single-row prompt buckets
-    # where packing changes the attention branch (a shape of its own on a Gaudi); buckets only
-    # packed rows reach (more new tokens than max_model_len) in their packed variant alone.
-    plan, longest = runner.bucket_plan, runner.max_model_len
-    runs = [
-        (b, False) for b in (*plan.prompt, *plan.decode) if not step_layout.packed_only(b, longest)
-    ]
-    runs += [
-        (b, True)
-        for b in plan.prompt
-        if plan.pack_prefills
-        and (runner.graphs.needs_packed_variant(b) or step_layout.packed_only(b, longest))
-    ]
+    runs = warmup_runs(runner, runner.bucket_plan)
     num_blocks = runner.cache_config.num_gpu_blocks or 0
     total = len(runs)
     logger.info(
@@ -143,6 +131,24 @@ def warmup_model(runner: Any) -> None:
         runner.graphs.stats.captured,
         runner.graphs.stats.capture_seconds,
     )
+
+
+def warmup_runs(runner: Any, plan: BucketPlan) -> list[tuple[Bucket, bool]]:
+    """What warmup runs of `plan`, as (bucket, packed): each bucket once, then the
+    packed-prefill variant of the single-row prompt buckets where packing changes the attention
+    branch (a shape of its own on a Gaudi); buckets only packed rows reach (more new tokens than
+    max_model_len) in their packed variant alone. With HPU graphs on, one graph each."""
+    longest = runner.max_model_len
+    runs = [
+        (b, False) for b in (*plan.prompt, *plan.decode) if not step_layout.packed_only(b, longest)
+    ]
+    runs += [
+        (b, True)
+        for b in plan.prompt
+        if plan.pack_prefills
+        and (runner.graphs.needs_packed_variant(b) or step_layout.packed_only(b, longest))
+    ]
+    return runs
 
 
 @torch.inference_mode()  # as serving steps run (vLLM's execute_model): tensors, and the
