@@ -14,7 +14,8 @@ Each runs on the emulation with HPU graphs (lazy mode), on seam/gaudi over the H
 (its device "hpu", HPU graphs) and with torch.compile (every graph compiled in warmup, none
 after: Llama 4's chunked local layers and Gemma 4's sliding layers get metadata objects of their
 own beside the full-attention layers', in warmup as in serving); every engine of one kind shares
-one process. 0 recompiles after warmup everywhere.
+one process. 0 recompiles after warmup everywhere. With HPU graphs the KV cache is sized by the
+profile run, whose sampled graphs must bound what warmup's graphs hold.
 """
 
 from __future__ import annotations
@@ -42,12 +43,22 @@ pytestmark = [pytest.mark.engine]
 
 MODELS = ("qwen3-moe", "glm4-moe", "llama4-text", "gemma4-text")
 MAX_TOKENS = 8
+# With HPU graphs, the KV cache is sized by the profile run (no kv_cache_memory_bytes), as an
+# operator's engine is: what is left of a share of the device after the weights, the profile's
+# peak and the HPU graphs' bound from the graphs it sampled. The stand-in's device (4 GiB) keeps
+# every tensor a graph recorded (Gemma 4's 26 graphs hold ~0.6 GB); the emulation's 8 GiB.
+PROFILED = {"kv_cache_memory_bytes": None}
 KINDS: dict[str, dict] = {
-    "emulated, HPU graphs": {"env": {"PT_HPU_LAZY_MODE": "1"}, "models": MODELS},
+    "emulated, HPU graphs": {
+        "env": {"PT_HPU_LAZY_MODE": "1"},
+        "models": MODELS,
+        "engine": {**PROFILED, "gpu_memory_utilization": 0.06},
+    },
     "emulated, torch.compile": {"env": {"PT_HPU_LAZY_MODE": "0"}, "models": MODELS},
     "gaudi over the stand-in, HPU graphs": {
         "env": {"PT_HPU_LAZY_MODE": "1", **STANDIN_ENGINE_ENV},
         "models": MODELS,
+        "engine": {**PROFILED, "gpu_memory_utilization": 0.3},
     },
 }
 CASES = [(kind, name) for kind, spec in KINDS.items() for name in spec["models"]]
@@ -81,7 +92,7 @@ def runs() -> dict[str, dict[str, dict]]:
                 "model": path(name),
                 "prompts": prompts(),
                 "max_tokens": MAX_TOKENS,
-                "engine": COMPILE_ENGINE,
+                "engine": {**COMPILE_ENGINE, **spec.get("engine", {})},
                 "rounds": 1,
                 "stats": True,
             }
@@ -121,6 +132,21 @@ def test_serving_runs_warmed_shapes_only(runs, kind, name):
         assert_compiled_only_in_warmup(stats)
     else:
         assert stats["graphs_enabled"] and stats["num_graphs"] > 0
+
+
+@pytest.mark.parametrize(("kind", "name"), [c for c in CASES if "graphs" in c[0]])
+def test_the_kv_cache_left_room_for_the_graphs_warmup_captured(runs, kind, name):
+    stats = _run(runs, kind, name)["stats"]
+    memory = stats["memory"]
+    # The profile run sampled the least and the most work of each phase (prompt, decode) and
+    # bounded the plan's graphs, every one warmup captured, from them.
+    assert len(memory["graph_samples"]) == 4 and memory["graph_runs"] == stats["num_graphs"]
+    assert 0 < memory["kv_cache_allocated"] <= memory["kv_budget"], memory
+    assert memory["graphs_held"] <= memory["graph_reserve"], memory
+    if "stand-in" in kind:
+        # Exact device counts: the bound holds and is close.
+        assert memory["graphs_held"] <= memory["graphs_estimate"], memory
+        assert memory["graphs_estimate"] <= 1.5 * memory["graphs_held"], memory
 
 
 @needs_vllm_cpu_backend
