@@ -13,9 +13,9 @@ grows with its tokens (activations) and with its attention work (scores: tokens 
 held = a + p * tokens + q * work and a, p, q >= 0, the models that fit both samples form a
 segment, and a run's bound is the most any of them gives it (at an end of the segment, where one
 coefficient is 0). Where no such model fits (measurement noise), the larger sample is scaled by
-the run's largest size ratio. The sum over
-the plan's runs is the estimate the worker keeps back (at least the VLLM_GRAPH_RESERVED_MEM
-share); warmup then measures what the graphs really hold and warns if it is more.
+the run's largest size ratio. The sum over the plan's runs is the estimate the worker keeps back
+(at least the VLLM_GRAPH_RESERVED_MEM share); warmup then measures what the graphs really hold
+and warns if it is more.
 """
 
 from __future__ import annotations
